@@ -1,0 +1,106 @@
+"""The joint-DP ClientApp: one SuperNode hosts one or more owners.
+
+For every owner it is asked to train, the node restores the owner's personal
+parameters from ``context.state``, loads the global shared parameters, trains
+(shared parameters with the configured DP mechanism, personal ones without noise),
+stores the personal parameters back in ``context.state`` and replies with the
+owner's release of shared parameters only.
+"""
+
+from __future__ import annotations
+
+from logging import DEBUG
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import log
+
+from flwr_jdp import protocol
+from flwr_jdp.config import parse_config
+from flwr_jdp.training import OwnerPlan, evaluate, train_owner_round
+
+from .owner_state import (
+    load_owner_model,
+    my_owners,
+    num_classes,
+    owner_data,
+    owner_generator,
+    save_personal,
+    trained_rounds,
+)
+
+app = ClientApp()
+
+
+def _requested(msg: Message, hosted: list[int]) -> list[int]:
+    cfg_rec = msg.content[protocol.CONFIG]
+    wanted = [int(o) for o in cfg_rec.get(protocol.OWNERS, [])]
+    return [o for o in wanted if o in set(hosted)]
+
+
+@app.query()
+def setup(msg: Message, context: Context) -> Message:
+    """Report the owners this node hosts and their data sizes (public metadata)."""
+    cfg = parse_config(context.run_config)
+    owners = my_owners(cfg, context)
+    data = owner_data(cfg)
+    first = data[owners[0]] if owners else data[0]
+    rec = ConfigRecord(
+        {
+            protocol.OWNER_IDS: owners,
+            protocol.NUM_RECORDS: [len(data[o].y_train) for o in owners],
+            protocol.NUM_USERS: [data[o].num_users for o in owners],
+            protocol.IMAGE_SHAPE: [int(v) for v in first.x_train.shape[1:]],
+            protocol.NUM_CLASSES: num_classes(cfg),
+        }
+    )
+    return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train every requested owner hosted here; reply with shared releases only."""
+    torch.set_num_threads(1)
+    cfg = parse_config(context.run_config)
+    cfg_rec = msg.content[protocol.CONFIG]
+    server_round = int(cfg_rec[protocol.ROUND])
+    wanted = [int(o) for o in cfg_rec.get(protocol.OWNERS, [])]
+    rates = dict(zip(wanted, cfg_rec.get(protocol.SAMPLE_RATES, [])))
+    steps = dict(zip(wanted, cfg_rec.get(protocol.STEPS, [])))
+    z = float(cfg_rec.get(protocol.NOISE_MULTIPLIER, 0.0))
+    shared = msg.content[protocol.SHARED]
+    data = owner_data(cfg)
+    reply = RecordDict()
+    for o in _requested(msg, my_owners(cfg, context)):
+        model, split = load_owner_model(cfg, context, data[o], shared)
+        plan = OwnerPlan(float(rates.get(o, 1.0)), int(steps.get(o, 1)), z)
+        release, loss = train_owner_round(
+            model, split, data[o], cfg, plan, owner_generator(cfg, server_round, o)
+        )
+        save_personal(context, o, model, split)
+        log(DEBUG, "owner %d round %d: local train loss %.4f (not sent)", o, server_round, loss)
+        reply[protocol.owner_key(o)] = protocol.to_record(
+            {name: release[name] for name in split.shared}  # shared names only
+        )
+        reply[protocol.metrics_key(o)] = MetricRecord({protocol.NUM_EXAMPLES: len(data[o].y_train)})
+    return Message(reply, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_owners(msg: Message, context: Context) -> Message:
+    """Each requested owner evaluates its own model (shared + personal) on its own
+    test split. Evaluation metrics are not covered by the DP guarantee."""
+    torch.set_num_threads(1)
+    cfg = parse_config(context.run_config)
+    shared = msg.content[protocol.SHARED]
+    data = owner_data(cfg)
+    reply = RecordDict()
+    for o in _requested(msg, my_owners(cfg, context)):
+        model, _ = load_owner_model(cfg, context, data[o], shared)
+        loss, acc = evaluate(model, data[o].x_test, data[o].y_test)
+        reply[protocol.metrics_key(o)] = MetricRecord(
+            {protocol.NUM_EXAMPLES: len(data[o].y_test), protocol.ACCURACY: acc, protocol.LOSS: loss,
+             protocol.PERSONAL_ROUNDS: trained_rounds(context, o)}
+        )
+    return Message(reply, reply_to=msg)

@@ -1,0 +1,94 @@
+"""Owner-side runtime: data (cached per process), model, and personal state.
+
+Personal parameters of owner ``o`` live in the node's ``context.state`` under
+``personal.<o>`` as an ArrayRecord. They are read back at the start of every round
+and written at its end; nothing here ever puts them into a message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from torch import nn
+
+from flwr_jdp import protocol
+from flwr_jdp.config import JobConfig
+from flwr_jdp.data.datasets import load_dataset
+from flwr_jdp.data.partition import OwnerData, load_partitions
+from flwr_jdp.models import build_model
+from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
+from flwr_jdp.privacy.mechanisms import torch_generator
+
+
+def personal_key(owner_id: int) -> str:
+    """``context.state`` key of one owner's personal arrays."""
+    return f"personal.{int(owner_id)}"
+
+
+def owner_data(cfg: JobConfig) -> tuple[OwnerData, ...]:
+    """All owners' partitions for this configuration (loaded once per process)."""
+    return load_partitions(
+        cfg.dataset, cfg.data_dir, cfg.num_owners, cfg.classes_per_owner,
+        cfg.max_records, cfg.records_per_user, cfg.seed,
+    )
+
+
+def num_classes(cfg: JobConfig) -> int:
+    """Number of classes of the configured data set."""
+    return load_dataset(cfg.dataset, cfg.data_dir, cfg.seed).num_classes
+
+
+def my_owners(cfg: JobConfig, context: Context) -> list[int]:
+    """Owners this node hosts, from its node config (``partition-id``,
+    ``num-partitions``; a node without them hosts every owner)."""
+    pid = int(context.node_config.get("partition-id", 0))
+    nparts = int(context.node_config.get("num-partitions", 1))
+    if not 0 <= pid < nparts:
+        raise ValueError(f"node config partition-id={pid} not in [0, num-partitions={nparts})")
+    return protocol.hosted_owners(cfg.num_owners, pid, nparts)
+
+
+def new_model(cfg: JobConfig, data: OwnerData) -> tuple[nn.Module, ParamSplit]:
+    """The seeded initial model and its shared/personal split."""
+    model = build_model(cfg.model, data.x_train.shape[1:], num_classes(cfg), cfg.norm, cfg.seed)
+    split = split_parameters(model, cfg.effective_personal_rule, allow_empty=cfg.method != "joint-dp")
+    return model, split
+
+
+def load_owner_model(
+    cfg: JobConfig, context: Context, data: OwnerData, shared: ArrayRecord | None
+) -> tuple[nn.Module, ParamSplit]:
+    """Model = global shared arrays + this owner's personal arrays from state."""
+    model, split = new_model(cfg, data)
+    key = personal_key(data.owner_id)
+    if key in context.state:
+        personal = context.state[key].to_numpy_ndarrays()
+        set_arrays(model, dict(zip(split.personal, personal)))
+    if shared is not None and len(shared):
+        set_arrays(model, dict(zip(shared.keys(), shared.to_numpy_ndarrays())))
+    return model, split
+
+
+def save_personal(context: Context, owner_id: int, model: nn.Module, split: ParamSplit) -> None:
+    """Keep the owner's personal arrays in ``context.state`` (never sent), and count
+    the rounds they have been trained for."""
+    context.state[personal_key(owner_id)] = protocol.to_record(get_arrays(model, split.personal))
+    meta = f"{personal_key(owner_id)}.meta"
+    rounds = int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
+    context.state[meta] = ConfigRecord({"trained-rounds": rounds + 1})
+
+
+def trained_rounds(context: Context, owner_id: int) -> int:
+    """How many rounds this owner's personal state has been trained (0: fresh)."""
+    meta = f"{personal_key(owner_id)}.meta"
+    return int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
+
+
+def owner_generator(cfg: JobConfig, server_round: int, owner_id: int) -> torch.Generator:
+    """Randomness for sampling and noise: OS CSPRNG unless ``noise-seed`` is set."""
+    seed = cfg.noise_seed_or_none
+    if seed is not None:
+        digest = hashlib.sha256(f"{seed}/{server_round}/{owner_id}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "little") >> 1
+    return torch_generator(seed)

@@ -1,0 +1,190 @@
+"""The run configuration: every knob of a joint-DP run, validated at start-up.
+
+Keys are the Flower run-config keys of ``pyproject.toml`` (``[tool.flwr.app.config]``);
+:func:`parse_config` turns a run config into a :class:`JobConfig` and raises
+:class:`ConfigError` naming the key and its allowed range for any bad value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from .data.datasets import DATASETS
+from .privacy.accountants import ACCOUNTANTS
+from .privacy.units import NoisePlacement, PrivacyUnit
+
+METHODS = ("joint-dp", "full-dp", "fedavg", "per-silo")
+UNITS = tuple(u.value for u in PrivacyUnit if u is not PrivacyUnit.SUBJECT)
+PLACEMENTS = tuple(p.value for p in NoisePlacement)
+
+
+class ConfigError(ValueError):
+    """A run-config value outside its allowed range."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Validated run configuration (field ``x_y`` is run-config key ``x-y``)."""
+
+    method: str = "joint-dp"
+    num_owners: int = 16
+    num_rounds: int = 5
+    local_epochs: int = 2
+    batch_size: int = 16
+    learning_rate: float = 0.1
+    personal_learning_rate: float = 0.1
+    server_learning_rate: float = 1.0
+    personal_layers: str = r"^fc1\."
+    privacy_unit: str = "record"
+    records_per_user: int = 1
+    noise_placement: str = "local"
+    target_epsilon: float = 8.0
+    noise_multiplier: float = 0.0
+    delta: float = 1e-5
+    clipping_norm: float = 1.0
+    accountant: str = "pld"
+    fraction_train: float = 1.0
+    min_valid_fraction: float = 0.5
+    dataset: str = "digits"
+    data_dir: str = ""
+    max_records: int = 0
+    classes_per_owner: int = 8
+    model: str = "seed-cnn"
+    norm: str = "group"
+    results_dir: str = "results/run"
+    resume: bool = True
+    seed: int = 0
+    noise_seed: int = -1
+
+    # ----------------------------------------------------------- derived
+    @property
+    def dp(self) -> bool:
+        """True for the private methods (joint-DP and full-DP)."""
+        return self.method in ("joint-dp", "full-dp")
+
+    @property
+    def effective_personal_rule(self) -> str:
+        """The personal rule the method uses: full-DP and FedAvg share everything,
+        per-silo keeps everything personal."""
+        if self.method in ("full-dp", "fedavg"):
+            return ""
+        if self.method == "per-silo":
+            return ".*"
+        return self.personal_layers
+
+    @property
+    def unit(self) -> PrivacyUnit:
+        return PrivacyUnit(self.privacy_unit)
+
+    @property
+    def placement(self) -> NoisePlacement:
+        return NoisePlacement(self.noise_placement)
+
+    @property
+    def calibrate(self) -> bool:
+        """True when the noise multiplier is calibrated from the target epsilon."""
+        return self.noise_multiplier == 0.0
+
+    @property
+    def noise_seed_or_none(self) -> int | None:
+        """Seed for noise and sampling; None means the OS CSPRNG."""
+        return None if self.noise_seed < 0 else self.noise_seed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+
+
+def _key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _fail(name: str, allowed: str, value: Any) -> ConfigError:
+    return ConfigError(f"run-config key '{_key(name)}' must be {allowed}, got {value!r}")
+
+
+def parse_config(run_config: dict[str, Any]) -> JobConfig:
+    """Build and validate a :class:`JobConfig` from a Flower run config.
+
+    Unknown keys are ignored (other apps may share the run config); every known key
+    is type-checked and range-checked.
+    """
+    values: dict[str, Any] = {}
+    for f in fields(JobConfig):
+        key = _key(f.name)
+        if key not in run_config:
+            continue
+        raw = run_config[key]
+        default = f.default
+        try:
+            if isinstance(default, bool):
+                if isinstance(raw, str):
+                    if raw.lower() not in ("true", "false"):
+                        raise ValueError
+                    raw = raw.lower() == "true"
+                values[f.name] = bool(raw)
+            elif isinstance(default, int):
+                if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                    raise ValueError
+                values[f.name] = int(raw)
+            elif isinstance(default, float):
+                if isinstance(raw, bool):
+                    raise ValueError
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = str(raw)
+        except (TypeError, ValueError):
+            kind = type(default).__name__
+            raise _fail(f.name, f"of type {kind}", raw) from None
+    cfg = JobConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Range checks; raises :class:`ConfigError` naming the key and allowed range."""
+    def need(ok: bool, name: str, allowed: str) -> None:
+        if not ok:
+            raise _fail(name, allowed, getattr(cfg, name))
+
+    def finite(name: str) -> bool:
+        return math.isfinite(getattr(cfg, name))
+
+    need(cfg.method in METHODS, "method", f"one of {METHODS}")
+    need(cfg.num_owners >= 1, "num_owners", ">= 1")
+    need(cfg.num_rounds >= 1, "num_rounds", ">= 1")
+    need(cfg.local_epochs >= 1, "local_epochs", ">= 1")
+    need(cfg.batch_size >= 1, "batch_size", ">= 1")
+    for name in ("learning_rate", "personal_learning_rate", "server_learning_rate"):
+        need(finite(name) and getattr(cfg, name) > 0, name, "> 0 and finite")
+    need(cfg.privacy_unit in UNITS, "privacy_unit", f"one of {UNITS}")
+    need(cfg.records_per_user >= 1, "records_per_user", ">= 1")
+    need(cfg.noise_placement in PLACEMENTS, "noise_placement", f"one of {PLACEMENTS}")
+    need(finite("target_epsilon") and cfg.target_epsilon > 0, "target_epsilon", "> 0 and finite")
+    need(finite("noise_multiplier") and cfg.noise_multiplier >= 0, "noise_multiplier",
+         ">= 0 (0 = calibrate to target-epsilon)")
+    need(finite("delta") and 0 < cfg.delta < 1, "delta", "in (0, 1)")
+    need(finite("clipping_norm") and cfg.clipping_norm > 0, "clipping_norm", "> 0 and finite")
+    need(cfg.accountant in ACCOUNTANTS, "accountant", f"one of {ACCOUNTANTS}")
+    need(finite("fraction_train") and 0 < cfg.fraction_train <= 1, "fraction_train", "in (0, 1]")
+    need(finite("min_valid_fraction") and 0 <= cfg.min_valid_fraction <= 1,
+         "min_valid_fraction", "in [0, 1]")
+    need(cfg.dataset in DATASETS, "dataset", f"one of {DATASETS}")
+    need(cfg.max_records >= 0, "max_records", ">= 0 (0 = all)")
+    need(cfg.classes_per_owner >= 1, "classes_per_owner", ">= 1")
+    need(cfg.model == "seed-cnn", "model", "'seed-cnn'")
+    need(cfg.norm in ("group", "none"), "norm", "'group' or 'none'")
+    need(bool(cfg.results_dir), "results_dir", "a non-empty path")
+    if cfg.method == "joint-dp":
+        try:
+            re.compile(cfg.personal_layers)
+        except re.error:
+            raise _fail("personal_layers", "a valid regular expression", cfg.personal_layers) from None
+        need(bool(cfg.personal_layers), "personal_layers", "a non-empty regular expression")
+    if cfg.fraction_train < 1 and cfg.privacy_unit != "owner":
+        raise ConfigError(
+            "run-config key 'fraction-train' must be 1.0 unless privacy-unit='owner' "
+            f"(owner sampling amplifies only owner-level privacy), got {cfg.fraction_train!r}"
+        )

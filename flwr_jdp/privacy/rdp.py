@@ -1,0 +1,72 @@
+"""RDP backend: dp-accounting's RDP, tightened by Opacus's subsampled-Gaussian bound.
+
+Both dp-accounting and Opacus compute valid upper bounds on the Renyi divergence of
+the Poisson-subsampled Gaussian mechanism; they differ slightly at fractional orders.
+For every order we keep the smaller of the two (the minimum of two upper bounds is
+an upper bound), then convert to (epsilon, delta) with dp-accounting's conversion.
+This reproduces Opacus's reference values (e.g. 7.32911 for z=1.5, q=0.04, 2250
+steps, delta=1e-5) while still supporting every event dp-accounting knows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import dp_accounting as dpa
+from dp_accounting.rdp import RdpAccountant
+from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+#: Orders: Opacus's defaults united with dp-accounting's defaults.
+ORDERS = sorted(
+    set([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+    | set(float(o) for o in dpa.rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+)
+
+
+def _opacus_rdp(q: float, z: float, orders: np.ndarray) -> np.ndarray | None:
+    try:
+        from opacus.accountants.analysis import rdp as opacus_rdp
+    except ImportError:  # pragma: no cover - opacus is a dependency
+        return None
+    # Opacus warns (and returns inf) at fractional orders where its series does not
+    # converge; the minimum with dp-accounting's value then keeps the latter.
+    logger = logging.getLogger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        vec = opacus_rdp.compute_rdp(q=q, noise_multiplier=z, steps=1, orders=list(orders))
+    finally:
+        logger.setLevel(level)
+    return np.nan_to_num(np.asarray(vec, dtype=float), nan=np.inf)
+
+
+def rdp_vector(event: dpa.DpEvent, orders: list[float] | None = None) -> np.ndarray:
+    """RDP of ``event`` at ``orders`` (composition adds RDP order by order)."""
+    orders_arr = np.asarray(orders or ORDERS, dtype=float)
+    if isinstance(event, dpa.NoOpDpEvent):
+        return np.zeros_like(orders_arr)
+    if isinstance(event, dpa.SelfComposedDpEvent):
+        return event.count * rdp_vector(event.event, list(orders_arr))
+    if isinstance(event, dpa.ComposedDpEvent):
+        total = np.zeros_like(orders_arr)
+        for e in event.events:
+            total = total + rdp_vector(e, list(orders_arr))
+        return total
+    acc = RdpAccountant(list(orders_arr))
+    acc.compose(event)
+    vec = np.asarray(acc._rdp, dtype=float)  # noqa: SLF001 - documented attribute
+    if isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(
+        event.event, dpa.GaussianDpEvent
+    ):
+        other = _opacus_rdp(event.sampling_probability, event.event.noise_multiplier, orders_arr)
+        if other is not None:
+            vec = np.minimum(vec, other)
+    return vec
+
+
+def rdp_epsilon(event: dpa.DpEvent, delta: float) -> float:
+    """Epsilon at ``delta`` of ``event`` by RDP."""
+    vec = rdp_vector(event)
+    eps, _ = compute_epsilon(ORDERS, vec, delta)
+    return float(eps)

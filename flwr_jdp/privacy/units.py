@@ -1,0 +1,37 @@
+"""Privacy units and noise placements.
+
+A *unit* says what two neighbouring datasets differ in (add/remove neighbouring):
+
+- ``record``: one training example of one owner.
+- ``user``: all records of one user of one owner (an owner holds several users;
+  records are clipped one by one and averaged per user, so a user's contribution to
+  a sum has L2 norm at most the clipping norm).
+- ``owner``: the whole data set of one owner (the owner's shared-parameter update is
+  clipped, DP-FedAvg style).
+
+A *placement* says who adds the noise:
+
+- ``local``: each owner noises its own release (the server is not trusted).
+- ``central``: owners send clipped quantities to a trusted aggregator that adds
+  Gaussian noise once to their sum (the billboard model).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class PrivacyUnit(str, Enum):
+    """What one neighbouring dataset changes."""
+
+    RECORD = "record"
+    USER = "user"
+    OWNER = "owner"
+    SUBJECT = "subject"
+
+
+class NoisePlacement(str, Enum):
+    """Who adds the Gaussian noise."""
+
+    LOCAL = "local"
+    CENTRAL = "central"

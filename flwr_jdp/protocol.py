@@ -1,0 +1,78 @@
+"""Keys of the messages between the joint-DP ServerApp and its ClientApps.
+
+A SuperNode hosts one or more owners: owner ``o`` lives on the node whose
+``partition-id`` equals ``o % num-partitions`` (one owner per node when there are
+as many nodes as owners). Per owner, a reply carries:
+
+- ``owner.<o>`` ArrayRecord: the owner's release, with exactly the shared
+  parameter names (never a personal one);
+- ``metrics.<o>`` MetricRecord: ``num-examples`` (and, in evaluation, accuracy).
+
+Train messages carry the global shared arrays (``shared``) and a ConfigRecord
+(``config``) with the round, the owners to train, and per owner the sample rate and
+number of DP-SGD steps the server accounts for, plus the noise multiplier.
+"""
+
+from __future__ import annotations
+
+SHARED = "shared"
+CONFIG = "config"
+SETUP = "setup"
+
+# Config keys of a train/evaluate message.
+ROUND = "server-round"
+OWNERS = "owners"
+SAMPLE_RATES = "sample-rates"
+STEPS = "steps"
+NOISE_MULTIPLIER = "noise-multiplier"
+
+# Metric keys.
+NUM_EXAMPLES = "num-examples"
+ACCURACY = "accuracy"
+LOSS = "loss"
+PERSONAL_ROUNDS = "personal-rounds"  # rounds the owner's personal state was trained
+
+# Setup (query) reply keys.
+OWNER_IDS = "owner-ids"
+NUM_RECORDS = "num-records"
+NUM_USERS = "num-users"
+IMAGE_SHAPE = "image-shape"
+NUM_CLASSES = "num-classes"
+
+# What a train reply's arrays mean.
+KIND_PARAMS = "params"  # updated shared parameters (DP-SGD done locally, or no DP)
+KIND_GRAD_SUM = "grad-sum"  # sum of clipped per-unit gradients (central noise)
+KIND_DELTA = "delta"  # clipped (and, locally, noised) update of the shared parameters
+
+
+def owner_key(owner_id: int) -> str:
+    """Record key of one owner's reply."""
+    return f"owner.{int(owner_id)}"
+
+
+def metrics_key(owner_id: int) -> str:
+    """Record key of one owner's metrics."""
+    return f"metrics.{int(owner_id)}"
+
+
+def parse_owner_key(key: str, prefix: str = "owner") -> int | None:
+    """Owner id of a record key ``<prefix>.<id>``, or None if it is not one."""
+    head, _, rest = key.partition(".")
+    if head != prefix or not rest.isdigit():
+        return None
+    return int(rest)
+
+
+def hosted_owners(num_owners: int, partition_id: int, num_partitions: int) -> list[int]:
+    """Owners hosted by the node with ``partition_id`` out of ``num_partitions``."""
+    return [o for o in range(num_owners) if o % num_partitions == partition_id]
+
+
+def to_record(named: dict):
+    """An ArrayRecord of named numpy arrays (key order preserved)."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+
+    if not named:
+        return ArrayRecord()
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in named.items()})

@@ -1,0 +1,17 @@
+"""Local trainers: non-private, DP-SGD on shared parameters, per-owner rounds."""
+
+from .dp_sgd import clipped_gradient_sum, clipped_unit_sum, poisson_sample, train_dp_sgd
+from .owner_round import OwnerPlan, release_kind, train_owner_round
+from .plain import evaluate, train_plain
+
+__all__ = [
+    "OwnerPlan",
+    "clipped_gradient_sum",
+    "clipped_unit_sum",
+    "evaluate",
+    "poisson_sample",
+    "release_kind",
+    "train_dp_sgd",
+    "train_owner_round",
+    "train_plain",
+]

@@ -1,0 +1,71 @@
+"""Non-private local training and evaluation.
+
+Used for personal parameters (an owner may use its own data freely) and for the
+non-private baselines. Only the parameters passed in ``params`` are updated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def to_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numpy arrays to torch tensors (no copy where possible)."""
+    return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
+
+
+def train_plain(
+    model: nn.Module,
+    params: list[torch.nn.Parameter],
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    generator: torch.Generator,
+) -> float:
+    """Mini-batch SGD on ``params`` for ``epochs`` epochs; returns the mean loss."""
+    if not params or len(y) == 0:
+        return float("nan")
+    xt, yt = to_tensors(x, y)
+    opt = torch.optim.SGD(params, lr=lr)
+    wanted = {id(p) for p in params}
+    frozen = [p for p in model.parameters() if id(p) not in wanted and p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    model.train()
+    losses = []
+    try:
+        for _ in range(epochs):
+            order = torch.randperm(len(yt), generator=generator)
+            for start in range(0, len(yt), batch_size):
+                idx = order[start : start + batch_size]
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(xt[idx]), yt[idx])
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    return float(np.mean(losses)) if losses else float("nan")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> tuple[float, float]:
+    """Return (mean cross-entropy, accuracy) of ``model`` on ``(x, y)``."""
+    if len(y) == 0:
+        return float("nan"), float("nan")
+    xt, yt = to_tensors(x, y)
+    model.eval()
+    loss, correct = 0.0, 0
+    for start in range(0, len(yt), batch_size):
+        out = model(xt[start : start + batch_size])
+        target = yt[start : start + batch_size]
+        loss += float(F.cross_entropy(out, target, reduction="sum"))
+        correct += int((out.argmax(1) == target).sum())
+    return loss / len(yt), correct / len(yt)

@@ -1,0 +1,6 @@
+"""Flower strategies of flwr-jdp (importable as ``flwr_jdp.strategies``)."""
+
+from .joint_dp import JointDP, load_results
+from .validation import validate_replies
+
+__all__ = ["JointDP", "load_results", "validate_replies"]

@@ -1,0 +1,101 @@
+"""Per-round checkpoint of a run: shared model, privacy ledger and results.
+
+Written to ``results-dir`` after every round (``model.npz``, ``ledger.json``,
+``results.json``), atomically, so a killed server can be restarted and continue
+from the epsilon it had spent rather than from zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from flwr_jdp import protocol
+from flwr_jdp.privacy.ledger import PrivacyLedger
+
+from .validation import ArraySpec
+
+IGNORED_KEYS = ("resume",)
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """Digest of the configuration a checkpoint belongs to."""
+    relevant = {k: v for k, v in sorted(config.items()) if k not in IGNORED_KEYS}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "wb") as fh:
+        write(fh)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+class Checkpoint:
+    """Files of one run in ``directory``."""
+
+    def __init__(self, directory: Path, config: dict[str, Any]) -> None:
+        self.directory = Path(directory)
+        self.config = config
+        self.digest = config_digest(config)
+
+    @property
+    def results_path(self) -> Path:
+        return self.directory / "results.json"
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.directory / "ledger.json"
+
+    @property
+    def model_path(self) -> Path:
+        return self.directory / "model.npz"
+
+    def resumable(self) -> bool:
+        """True if an unfinished run with the same configuration is on disk."""
+        if not (self.results_path.is_file() and self.ledger_path.is_file()
+                and self.model_path.is_file()):
+            return False
+        try:
+            res = json.loads(self.results_path.read_text())
+        except (OSError, ValueError):
+            return False
+        return res.get("status") == "running" and res.get("config_digest") == self.digest
+
+    def save(self, arrays: ArrayRecord, ledger: PrivacyLedger, history: list[dict],
+             noise_multiplier: float, status: str, summary: dict[str, Any]) -> None:
+        """Write model, ledger and results (in that order)."""
+        named = {k: v.numpy() for k, v in arrays.items()}
+        _atomic_write(self.model_path, lambda fh: np.savez(fh, **named))
+        ledger.save(self.ledger_path)
+        doc = {
+            "status": status,
+            "config": self.config,
+            "config_digest": self.digest,
+            "noise_multiplier": noise_multiplier,
+            "epsilon": ledger.epsilon(),
+            "delta": ledger.delta,
+            "accountant": ledger.accountant,
+            "unit": ledger.unit,
+            "history": history,
+            **summary,
+        }
+        data = json.dumps(doc, indent=1, default=float).encode()
+        _atomic_write(self.results_path, lambda fh: fh.write(data))
+
+    def load(self, spec: dict[str, ArraySpec]) -> tuple[ArrayRecord, PrivacyLedger, list[dict], float]:
+        """Restore (shared arrays, ledger, history, noise multiplier)."""
+        res = json.loads(self.results_path.read_text())
+        with np.load(self.model_path) as npz:
+            arrays = {k: np.asarray(npz[k]) for k in spec}
+        return (protocol.to_record(arrays), PrivacyLedger.load(self.ledger_path), res["history"],
+                float(res["noise_multiplier"]))

@@ -1,0 +1,69 @@
+"""Budget exhaustion stops cleanly; a restarted server resumes the ledger."""
+
+import pytest
+
+from flwr_jdp.config import parse_config
+from flwr_jdp.privacy.ledger import PrivacyLedger
+from flwr_jdp.strategies import load_results
+
+from .helpers import run_inprocess
+
+
+def test_budget_exhausted_stops_cleanly_with_model_and_ledger(run_config):
+    run_config.update({"num-rounds": 10, "noise-multiplier": 0.8, "target-epsilon": 6.0})
+    run_inprocess(run_config)
+    res = load_results(run_config["results-dir"])
+    assert res["status"] == "budget-exhausted"
+    assert 1 <= res["rounds_completed"] < 10
+    assert res["epsilon"] <= 6.0
+    ledger = PrivacyLedger.load(f"{run_config['results-dir']}/ledger.json")
+    assert ledger.epsilon() == pytest.approx(res["epsilon"])
+
+
+def test_calibrated_run_meets_target(run_config):
+    run_config.update({"noise-multiplier": 0.0, "target-epsilon": 3.0, "num-rounds": 2})
+    strategy, _, _ = run_inprocess(run_config)
+    res = load_results(run_config["results-dir"])
+    assert res["status"] == "completed"
+    assert 0.95 * 3.0 <= res["epsilon"] <= 3.0
+    assert strategy.noise_multiplier > 0
+
+
+class Killed(Exception):
+    pass
+
+
+def test_restart_resumes_epsilon_not_reset(run_config, tmp_path):
+    # uninterrupted reference
+    ref = dict(run_config, **{"results-dir": str(tmp_path / "ref"), "num-rounds": 3})
+    run_inprocess(ref)
+    eps_ref = load_results(ref["results-dir"])["epsilon"]
+
+    # killed during round 3's training, then restarted with the same config
+    cfg = dict(run_config, **{"num-rounds": 3})
+    calls = {"train": 0}
+
+    def kill_in_round_3(instruction, reply):
+        if instruction.metadata.message_type == "train":
+            calls["train"] += 1
+            if calls["train"] > 4:  # 2 nodes per round
+                raise Killed()
+        return reply
+
+    with pytest.raises(Killed):
+        run_inprocess(cfg, fault=kill_in_round_3)
+    mid = load_results(cfg["results-dir"])
+    assert mid["status"] == "running" and mid["rounds_completed"] == 2
+    run_inprocess(cfg)
+    res = load_results(cfg["results-dir"])
+    assert res["status"] == "completed" and res["rounds_completed"] == 3
+    assert res["epsilon"] == pytest.approx(eps_ref, rel=1e-9)
+    assert [r["round"] for r in res["history"]] == [1, 2, 3]
+
+
+def test_config_change_starts_fresh(run_config):
+    run_inprocess(run_config)
+    changed = dict(run_config, **{"clipping-norm": 2.0})
+    assert parse_config(changed).clipping_norm == 2.0
+    run_inprocess(changed)
+    assert load_results(run_config["results-dir"])["config"]["clipping-norm"] == 2.0

@@ -1,0 +1,91 @@
+"""The ledger and accountants against public reference values."""
+
+import math
+
+import dp_accounting as dpa
+import pytest
+from scipy.stats import norm
+
+from flwr_jdp.privacy import events as ev
+from flwr_jdp.privacy.accountants import epsilon
+from flwr_jdp.privacy.calibration import calibrate
+from flwr_jdp.privacy.ledger import PrivacyLedger, owner_scope
+
+
+def exact_gaussian_epsilon(z: float, delta: float) -> float:
+    """Analytic Gaussian mechanism (Balle & Wang 2018): smallest eps for delta."""
+    def d(eps):
+        return norm.cdf(-eps * z + 1 / (2 * z)) - math.exp(eps) * norm.cdf(-eps * z - 1 / (2 * z))
+    lo, hi = 0.0, 50.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if d(mid) > delta else (lo, mid)
+    return hi
+
+
+def test_rdp_matches_opacus_reference():
+    # Opacus accountants_test: z=1.5, q=0.04, 2250 steps, delta=1e-5 -> 7.32911117143
+    eps = epsilon(ev.dp_sgd(1.5, 0.04, 2250), 1e-5, "rdp")
+    assert eps == pytest.approx(7.32911117143, abs=1e-6)
+
+
+def test_pld_is_tighter_than_rdp_on_dp_sgd():
+    event = ev.dp_sgd(1.5, 0.04, 2250)
+    assert epsilon(event, 1e-5, "pld") < epsilon(event, 1e-5, "rdp")
+
+
+def test_single_gaussian_exact_value():
+    exact = exact_gaussian_epsilon(1.0, 1e-5)
+    assert exact == pytest.approx(4.37718, abs=1e-5)
+    assert epsilon(ev.gaussian(1.0), 1e-5, "pld") == pytest.approx(exact, abs=1e-3)
+    assert epsilon(ev.gaussian(1.0), 1e-5, "pld") >= exact - 1e-9  # an upper bound
+    assert epsilon(ev.gaussian(1.0), 1e-5, "rdp") >= exact
+
+
+def test_flattened_composition_equals_dp_accounting():
+    from dp_accounting.pld import PLDAccountant
+
+    event = dpa.ComposedDpEvent([ev.dp_sgd(1.1, 0.1, 30), ev.dp_sgd(1.1, 0.1, 30), ev.gaussian(3.0)])
+    acc = PLDAccountant()
+    acc.compose(event)
+    assert epsilon(event, 1e-5, "pld") == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_calibration_within_one_percent(accountant):
+    target = 2.0
+    z = calibrate(target, 1e-5, lambda s: ev.dp_sgd(s, 0.04, 500), accountant)
+    reached = epsilon(ev.dp_sgd(z, 0.04, 500), 1e-5, accountant)
+    assert reached <= target
+    assert reached >= 0.99 * target
+
+
+def test_ledger_max_over_owners_and_round_trip(tmp_path):
+    ledger = PrivacyLedger(delta=1e-5, budget=10.0)
+    for _ in range(3):
+        ledger.record_round(1, {owner_scope(0): ev.dp_sgd(1.0, 0.1, 10),
+                                owner_scope(1): ev.dp_sgd(1.0, 0.2, 5)})
+    e0 = ledger.scope_epsilon(owner_scope(0))
+    e1 = ledger.scope_epsilon(owner_scope(1))
+    assert ledger.epsilon() == pytest.approx(max(e0, e1))
+    assert e0 == pytest.approx(epsilon(ev.dp_sgd(1.0, 0.1, 30), 1e-5), rel=1e-9)
+    path = tmp_path / "ledger.json"
+    ledger.save(path)
+    again = PrivacyLedger.load(path)
+    assert again.epsilon() == pytest.approx(ledger.epsilon())
+    assert again.scopes == ledger.scopes
+
+
+def test_would_exceed_and_mismatched_restore(tmp_path):
+    ledger = PrivacyLedger(delta=1e-5, budget=1.0)
+    assert ledger.would_exceed({"server": ev.gaussian(1.0)})  # 4.38 > 1
+    assert not ledger.would_exceed({"server": ev.gaussian(20.0)})
+    ledger.save(tmp_path / "l.json")
+    other = PrivacyLedger(delta=1e-6)
+    with pytest.raises(ValueError, match="delta"):
+        other.load_state_dict(PrivacyLedger.load(tmp_path / "l.json").state_dict())
+
+
+def test_event_json_round_trip():
+    event = dpa.ComposedDpEvent([ev.dp_sgd(1.0, 0.3, 4), ev.gaussian(2.0)])
+    assert ev.from_dict(ev.to_dict(event)) == event
