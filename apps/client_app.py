@@ -12,7 +12,7 @@ from __future__ import annotations
 from logging import DEBUG
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 
@@ -66,8 +66,8 @@ def train(msg: Message, context: Context) -> Message:
     cfg_rec = msg.content[protocol.CONFIG]
     server_round = int(cfg_rec[protocol.ROUND])
     wanted = [int(o) for o in cfg_rec.get(protocol.OWNERS, [])]
-    rates = dict(zip(wanted, cfg_rec.get(protocol.SAMPLE_RATES, [])))
-    steps = dict(zip(wanted, cfg_rec.get(protocol.STEPS, [])))
+    rates = dict(zip(wanted, cfg_rec.get(protocol.SAMPLE_RATES, []), strict=False))
+    steps = dict(zip(wanted, cfg_rec.get(protocol.STEPS, []), strict=False))
     z = float(cfg_rec.get(protocol.NOISE_MULTIPLIER, 0.0))
     shared = msg.content[protocol.SHARED]
     data = owner_data(cfg)

@@ -8,6 +8,7 @@ and written at its end; nothing here ever puts them into a message.
 from __future__ import annotations
 
 import hashlib
+
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
@@ -64,9 +65,9 @@ def load_owner_model(
     key = personal_key(data.owner_id)
     if key in context.state:
         personal = context.state[key].to_numpy_ndarrays()
-        set_arrays(model, dict(zip(split.personal, personal)))
+        set_arrays(model, dict(zip(split.personal, personal, strict=False)))
     if shared is not None and len(shared):
-        set_arrays(model, dict(zip(shared.keys(), shared.to_numpy_ndarrays())))
+        set_arrays(model, dict(zip(shared.keys(), shared.to_numpy_ndarrays(), strict=False)))
     return model, split
 
 

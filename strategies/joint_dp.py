@@ -92,33 +92,27 @@ class JointDP(Strategy):
         self.last_round_info: dict[str, object] = {}
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, grid: Grid, timeout: float = 600.0) -> ArrayRecord:
+    def setup(self, grid: Grid, timeout: float = 120.0) -> ArrayRecord:
         """Ask every node which owners it hosts and their sizes; build the initial
         shared arrays; compute the sampling schedule and (if asked) calibrate the
         noise multiplier. Fails with a message naming the key on a mismatch."""
-        nodes = list(grid.get_node_ids())
-        msgs = [
-            Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=n,
-                    message_type=MessageType.QUERY)
-            for n in nodes
-        ]
         shape, classes = None, None
-        for reply in grid.send_and_receive(msgs, timeout=timeout):
-            if reply.has_error():
-                raise RuntimeError(
-                    f"node {reply.metadata.src_node_id} failed at set-up: {reply.error.reason}"
-                )
-            rec = reply.content[protocol.SETUP]
-            for o, nrec, nusr in zip(rec[protocol.OWNER_IDS], rec[protocol.NUM_RECORDS],
-                                     rec[protocol.NUM_USERS]):
-                if o in self.owner_node:
-                    raise ConfigError(f"owner {o} is hosted by two nodes; check node configs "
-                                      "'partition-id' and 'num-partitions'")
-                self.owner_node[int(o)] = reply.metadata.src_node_id
-                self.sizes[int(o)] = OwnerSize(int(nrec), int(nusr))
-            if rec[protocol.OWNER_IDS]:
-                shape = tuple(int(v) for v in rec[protocol.IMAGE_SHAPE])
-                classes = int(rec[protocol.NUM_CLASSES])
+        queried: set[int] = set()
+        deadline = time.time() + timeout
+        while True:  # nodes may still be joining: query each new node once
+            nodes = [n for n in grid.get_node_ids() if n not in queried]
+            if nodes:
+                queried.update(nodes)
+                msgs = [Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=n,
+                                message_type=MessageType.QUERY) for n in nodes]
+                for reply in grid.send_and_receive(msgs, timeout=timeout):
+                    got = self._register_node(reply)
+                    if got is not None:
+                        shape, classes = got
+            if set(range(self.cfg.num_owners)) <= set(self.owner_node) or time.time() > deadline:
+                break
+            time.sleep(1.0)
+        nodes = queried
         missing = sorted(set(range(self.cfg.num_owners)) - set(self.owner_node))
         if missing:
             raise ConfigError(
@@ -143,12 +137,30 @@ class JointDP(Strategy):
                 self.cfg.delta, self.cfg.num_rounds, self.cfg.accountant)
         return initial
 
+    def _register_node(self, reply: Message) -> tuple[tuple[int, ...], int] | None:
+        """Record the owners a node hosts; return (image shape, classes) if any."""
+        if reply.has_error():
+            raise RuntimeError(
+                f"node {reply.metadata.src_node_id} failed at set-up: {reply.error.reason}"
+            )
+        rec = reply.content[protocol.SETUP]
+        for o, nrec, nusr in zip(rec[protocol.OWNER_IDS], rec[protocol.NUM_RECORDS],
+                                 rec[protocol.NUM_USERS], strict=False):
+            if int(o) in self.owner_node:
+                raise ConfigError(f"owner {o} is hosted by two nodes; check node configs "
+                                  "'partition-id' and 'num-partitions'")
+            self.owner_node[int(o)] = reply.metadata.src_node_id
+            self.sizes[int(o)] = OwnerSize(int(nrec), int(nusr))
+        if not rec[protocol.OWNER_IDS]:
+            return None
+        return tuple(int(v) for v in rec[protocol.IMAGE_SHAPE]), int(rec[protocol.NUM_CLASSES])
+
     # ---------------------------------------------------------------- training
     def _select(self) -> list[int]:
         owners = sorted(self.owner_node)
         if self.cfg.unit is PrivacyUnit.OWNER and self.cfg.fraction_train < 1.0:
             keep = self.rng.random(len(owners)) < self.cfg.fraction_train
-            return [o for o, k in zip(owners, keep) if k]
+            return [o for o, k in zip(owners, keep, strict=False) if k]
         return owners
 
     def configure_train(
@@ -206,7 +218,7 @@ class JointDP(Strategy):
             self.last_round_info["skipped"] = True
             return None, MetricRecord(info)
         new = self._aggregate(valid.arrays, valid.weights)
-        return protocol.to_record(dict(zip(self.spec, new))), MetricRecord(info)
+        return protocol.to_record(dict(zip(self.spec, new, strict=False))), MetricRecord(info)
 
     def _aggregate(self, arrays: dict[int, list[np.ndarray]], weights: dict[int, float]) -> list[np.ndarray]:
         current = [self._current[k].numpy() for k in self.spec]
@@ -215,7 +227,7 @@ class JointDP(Strategy):
         if self.kind == protocol.KIND_PARAMS:
             w = np.array([weights[o] for o in owners], dtype=np.float64)
             w = w / w.sum()
-            return [sum(wi * arrays[o][i] for wi, o in zip(w, owners)).astype(current[i].dtype)
+            return [sum(wi * arrays[o][i] for wi, o in zip(w, owners, strict=False)).astype(current[i].dtype)
                     for i in range(len(current))]
         total = [sum(arrays[o][i] for o in owners) for i in range(len(current))]
         assert self.schedule is not None
@@ -223,7 +235,7 @@ class JointDP(Strategy):
             mech = GaussianSumMechanism(self.noise_multiplier, cfg.clipping_norm,
                                         self.schedule.server_rate * self.schedule.num_units)
             grad = mech.release_numpy(total, self.rng)
-            return [(c - cfg.learning_rate * g).astype(c.dtype) for c, g in zip(current, grad)]
+            return [(c - cfg.learning_rate * g).astype(c.dtype) for c, g in zip(current, grad, strict=False)]
         # KIND_DELTA
         if cfg.placement is NoisePlacement.CENTRAL:
             expected = self.schedule.server_rate * len(self.owner_node)
@@ -231,7 +243,7 @@ class JointDP(Strategy):
             update = mech.release_numpy(total, self.rng)
         else:
             update = [t / len(owners) for t in total]
-        return [(c + cfg.server_learning_rate * u).astype(c.dtype) for c, u in zip(current, update)]
+        return [(c + cfg.server_learning_rate * u).astype(c.dtype) for c, u in zip(current, update, strict=False)]
 
     # -------------------------------------------------------------- evaluation
     def configure_evaluate(
@@ -300,7 +312,7 @@ class JointDP(Strategy):
         cfg = self.cfg
         num_rounds = num_rounds or cfg.num_rounds
         t0 = time.time()
-        arrays = self.setup(grid, timeout=min(timeout, 600.0))
+        arrays = self.setup(grid, timeout=min(timeout, 120.0))
         if initial_arrays is not None:
             arrays = initial_arrays
         ckpt = Checkpoint(Path(cfg.results_dir), cfg.to_dict())

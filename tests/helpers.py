@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from flwr_jdp.apps.client_app import app as client_app
+from flwr_jdp.strategies import JointDP
+
 from flwr_jdp.config import parse_config
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.strategies import JointDP
 
 
 def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None):

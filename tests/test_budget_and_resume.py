@@ -1,10 +1,10 @@
 """Budget exhaustion stops cleanly; a restarted server resumes the ledger."""
 
 import pytest
+from flwr_jdp.strategies import load_results
 
 from flwr_jdp.config import parse_config
 from flwr_jdp.privacy.ledger import PrivacyLedger
-from flwr_jdp.strategies import load_results
 
 from .helpers import run_inprocess
 

@@ -40,7 +40,7 @@ def test_each_unit_contributes_at_most_c(seed, unit):
     full = unit_sum(torch.ones(n, dtype=torch.bool))
     for u in range(k):
         without = unit_sum(units != u)
-        diff = [a - b for a, b in zip(full, without)]
+        diff = [a - b for a, b in zip(full, without, strict=False)]
         assert global_norm_numpy(diff) <= C * (1 + 1e-4)
 
 

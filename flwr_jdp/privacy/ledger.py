@@ -99,13 +99,20 @@ class PrivacyLedger:
 
     # ----------------------------------------------------------------- epsilon
     def scope_event(self, scope: str, extra: dpa.DpEvent | None = None) -> dpa.DpEvent:
-        """The composed event of ``scope`` (plus an optional planned ``extra``)."""
+        """The composed event of ``scope`` (plus an optional planned ``extra``),
+        built from the merged history so that "history + planned" and the history
+        after recording it have the same canonical form (and share a cache entry)."""
+        history = [[data, count] for data, count in self.scopes.get(scope, [])]
+        if extra is not None and not isinstance(extra, dpa.NoOpDpEvent):
+            data = ev.to_dict(extra)
+            if history and history[-1][0] == data:
+                history[-1][1] += 1
+            else:
+                history.append([data, 1])
         parts = [
             dpa.SelfComposedDpEvent(ev.from_dict(data), count) if count > 1 else ev.from_dict(data)
-            for data, count in self.scopes.get(scope, [])
+            for data, count in history
         ]
-        if extra is not None:
-            parts.append(extra)
         return ev.compose(parts)
 
     def scope_epsilon(self, scope: str, extra: dpa.DpEvent | None = None) -> float:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import dp_accounting as dpa
+import numpy as np
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 

@@ -18,10 +18,10 @@ A *placement* says who adds the noise:
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class PrivacyUnit(str, Enum):
+class PrivacyUnit(StrEnum):
     """What one neighbouring dataset changes."""
 
     RECORD = "record"
@@ -30,7 +30,7 @@ class PrivacyUnit(str, Enum):
     SUBJECT = "subject"
 
 
-class NoisePlacement(str, Enum):
+class NoisePlacement(StrEnum):
     """Who adds the Gaussian noise."""
 
     LOCAL = "local"

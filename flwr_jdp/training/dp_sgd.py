@@ -64,7 +64,21 @@ def clipped_unit_sum(
     factors = clip_coefficients(norms, clipping_norm)
     counts = torch.bincount(batch.units, minlength=batch.num_units).clamp(min=1).to(factors.dtype)
     weights = factors / counts[batch.units]  # clip, then average within the unit
-    return [(weights @ g).reshape(p.shape) for g, p in zip(per_sample, shared)]
+    return [(weights @ g).reshape(p.shape) for g, p in zip(per_sample, shared, strict=False)]
+
+
+def batch_sums(shared: list[nn.Parameter], batch: UnitBatch, clipping_norm: float) -> list[torch.Tensor]:
+    """:func:`clipped_unit_sum`, or zeros for an empty Poisson sample."""
+    if len(batch.records) == 0:
+        return [torch.zeros_like(p) for p in shared]
+    return clipped_unit_sum(shared, batch, clipping_norm)
+
+
+def _release_hooks(gsm: GradSampleModule) -> None:
+    for p in gsm.parameters():
+        p.grad_sample = None
+        p.grad = None
+    gsm._close()  # noqa: SLF001 - removes Opacus hooks, leaves the plain model
 
 
 def _unit_index(num_records: int, user_ids: np.ndarray | None) -> tuple[torch.Tensor, int]:
@@ -120,7 +134,7 @@ def train_dp_sgd(
                 sums = clipped_unit_sum(shared, batch, clipping_norm)
             else:
                 sums = [torch.zeros_like(p) for p in shared]
-            for p, g in zip(shared, mech.release_torch(sums, generator)):
+            for p, g in zip(shared, mech.release_torch(sums, generator), strict=False):
                 p.add_(g, alpha=-lr)
             if len(batch.records):
                 for p in personal:
@@ -128,10 +142,7 @@ def train_dp_sgd(
         if len(batch.records):
             with torch.no_grad():
                 losses.append(float(F.cross_entropy(model(xt[batch.records]), yt[batch.records])))
-    for p in gsm.parameters():
-        p.grad_sample = None
-        p.grad = None
-    gsm._close()  # noqa: SLF001 - removes Opacus hooks, leaves the plain model
+    _release_hooks(gsm)
     return float(np.mean(losses)) if losses else float("nan")
 
 
@@ -157,13 +168,7 @@ def clipped_gradient_sum(
     batch = poisson_sample(unit_of_record, num_units, sample_rate, generator)
     _backward_batch(gsm, xt, yt, batch)
     with torch.no_grad():
-        if len(batch.records):
-            sums = clipped_unit_sum(shared, batch, clipping_norm)
-        else:
-            sums = [torch.zeros_like(p) for p in shared]
+        sums = batch_sums(shared, batch, clipping_norm)
     out = [s.detach().cpu().numpy().copy() for s in sums]
-    for p in gsm.parameters():
-        p.grad_sample = None
-        p.grad = None
-    gsm._close()  # noqa: SLF001
+    _release_hooks(gsm)
     return out, batch.num_units

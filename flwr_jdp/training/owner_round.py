@@ -91,7 +91,7 @@ def train_owner_round(
             mech = GaussianSumMechanism(plan.noise_multiplier, cfg.clipping_norm, 1.0)
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
             delta = mech.release_numpy(delta, numpy_rng(seed))
-        return dict(zip(split.shared, delta)), loss
+        return dict(zip(split.shared, delta, strict=False)), loss
 
     if kind == protocol.KIND_GRAD_SUM:
         loss = train_plain(model, personal, data.x_train, data.y_train,
@@ -100,7 +100,7 @@ def train_owner_round(
         sums, _ = clipped_gradient_sum(model, split, data.x_train, data.y_train,
                                        user_ids=user_ids, clipping_norm=cfg.clipping_norm,
                                        sample_rate=plan.sample_rate, generator=generator)
-        return dict(zip(split.shared, sums)), loss
+        return dict(zip(split.shared, sums, strict=False)), loss
 
     loss = train_dp_sgd(model, split, data.x_train, data.y_train, user_ids=user_ids,
                         noise_multiplier=plan.noise_multiplier,

@@ -48,7 +48,7 @@ def train_plain(
                 loss = F.cross_entropy(model(xt[idx]), yt[idx])
                 loss.backward()
                 opt.step()
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
     finally:
         for p in frozen:
             p.requires_grad_(True)

@@ -1,0 +1,71 @@
+"""Plain Flower FedAvg on the same data and model, without DP (a baseline).
+
+One owner per SuperNode (owner id = ``partition-id``); all parameters are shared
+and averaged by Flower's own ``FedAvg``. Used by the benchmarks to measure what
+joint DP costs over plain Flower.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+from flwr_jdp.config import parse_config
+from flwr_jdp.models import build_model
+from flwr_jdp.training import evaluate, train_plain
+
+from .owner_state import num_classes, owner_data, owner_generator
+
+client = ClientApp()
+server = ServerApp()
+
+
+def _model(context: Context, msg: Message):
+    cfg = parse_config(context.run_config)
+    data = owner_data(cfg)[int(context.node_config["partition-id"])]
+    model = build_model(cfg.model, data.x_train.shape[1:], num_classes(cfg), cfg.norm, cfg.seed)
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    return cfg, data, model
+
+
+@client.train()
+def train(msg: Message, context: Context) -> Message:
+    torch.set_num_threads(1)
+    cfg, data, model = _model(context, msg)
+    train_plain(model, list(model.parameters()), data.x_train, data.y_train,
+                epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.learning_rate,
+                generator=owner_generator(cfg, int(msg.content["config"]["server-round"]), data.owner_id))
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                          "metrics": MetricRecord({"num-examples": len(data.y_train)})})
+    return Message(content, reply_to=msg)
+
+
+@client.evaluate()
+def evaluate_owner(msg: Message, context: Context) -> Message:
+    torch.set_num_threads(1)
+    _, data, model = _model(context, msg)
+    loss, acc = evaluate(model, data.x_test, data.y_test)
+    content = RecordDict({"metrics": MetricRecord(
+        {"num-examples": len(data.y_test), "accuracy": acc, "loss": loss})})
+    return Message(content, reply_to=msg)
+
+
+@server.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = parse_config(context.run_config)
+    data = owner_data(cfg)[0]
+    model = build_model(cfg.model, data.x_train.shape[1:], num_classes(cfg), cfg.norm, cfg.seed)
+    strategy = FedAvg(min_train_nodes=cfg.num_owners, min_evaluate_nodes=cfg.num_owners,
+                      min_available_nodes=cfg.num_owners)
+    t0 = time.time()
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
+                            num_rounds=cfg.num_rounds)
+    log(INFO, "FedAvg finished in %.1fs; accuracy %s", time.time() - t0,
+        result.evaluate_metrics_clientapp.get(cfg.num_rounds))
