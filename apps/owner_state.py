@@ -31,7 +31,8 @@ def owner_data(cfg: JobConfig) -> tuple[OwnerData, ...]:
     """All owners' partitions for this configuration (loaded once per process)."""
     return load_partitions(
         cfg.dataset, cfg.data_dir, cfg.num_owners, cfg.classes_per_owner,
-        cfg.max_records, cfg.records_per_user, cfg.seed,
+        cfg.max_records, cfg.records_per_user, cfg.seed, cfg.partitioner,
+        cfg.validation_fraction,
     )
 
 

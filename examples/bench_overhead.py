@@ -8,6 +8,8 @@
    gradients, clipping, noise; personal head trained plainly) over one ordinary
    SGD step on the same batch.
 
+Every simulation runs in a fresh Python process and the two arms alternate
+(``--repeats`` pairs), so that neither pays Ray's first-run costs alone.
 Writes results/bench/overhead.json. Usage:
 
     python examples/bench_overhead.py --data-dir ../shared/data/fashion-mnist \
@@ -20,6 +22,8 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,47 +33,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def simulate(kind: str, run_config: dict, owners: int) -> float:
-    """Run one Flower simulation; return wall seconds of the ServerApp's rounds."""
-    from flwr.app import Context
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
-    from flwr_jdp.apps import client_app as jdp_client
-    from flwr_jdp.apps import fedavg_app, server_app
+def simulate(app: str, run_config: dict, owners: int) -> dict:
+    """One Flower simulation, one owner per SuperNode; wall seconds by phase."""
+    from flwr_jdp.simulation import simulate as run
 
-    def configured(context):  # run_simulation has no run-config argument
-        return Context(context.run_id, context.node_id, context.node_config, context.state,
-                       {**context.run_config, **run_config})
-
-    def with_config(handler):
-        def wrapped(msg, context):
-            return handler(msg, configured(context))
-        return wrapped
-
-    client = ClientApp()
-    server = ServerApp()
-    if kind == "fedavg":
-        client.train()(with_config(fedavg_app.train))
-        client.evaluate()(with_config(fedavg_app.evaluate_owner))
-        server_main = fedavg_app.main
-    else:
-        client.query()(with_config(jdp_client.setup))
-        client.train()(with_config(jdp_client.train))
-        client.evaluate()(with_config(jdp_client.evaluate_owners))
-        server_main = server_app.main
-    timing = {}
-
-    @server.main()
-    def main(grid, context):
-        t0 = time.time()
-        server_main(grid, configured(context))
-        timing["seconds"] = time.time() - t0
-
-    run_simulation(server_app=server, client_app=client, num_supernodes=owners,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"logging_level": "ERROR", "log_to_driver": False}})
-    return timing["seconds"]
+    return run(app, run_config, num_supernodes=owners)
 
 
 def dp_step_ratio(data_dir: str, batch: int = 64, steps: int = 60) -> dict:
@@ -102,13 +70,37 @@ def dp_step_ratio(data_dir: str, batch: int = 64, steps: int = 60) -> dict:
     return {"plain_step_s": plain, "dp_step_s": dp, "dp_step_ratio": dp / plain, "batch_size": batch}
 
 
+def run_arm(app: str, base: dict, out_dir: Path, owners: int) -> dict:
+    """One simulation in a fresh Python process (both arms pay the same cold start)."""
+    cmd = [sys.executable, __file__, "--arm", app, "--arm-config", json.dumps(base),
+           "--owners", str(owners), "--out", str(out_dir / "overhead.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ARM ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{app} arm failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][4:])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "fashion-mnist"))
     parser.add_argument("--owners", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="alternating FedAvg/joint-DP pairs")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench" / "overhead.json"))
+    parser.add_argument("--arm", choices=("fedavg", "joint-dp"), help=argparse.SUPPRESS)
+    parser.add_argument("--arm-config", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    out_dir = Path(args.out).parent
+
+    if args.arm:  # child process: one simulation, one JSON line
+        base = json.loads(args.arm_config)
+        extra = ({"method": "fedavg"} if args.arm == "fedavg" else
+                 {"method": "joint-dp", "privacy-unit": "record", "noise-placement": "local"})
+        extra["results-dir"] = str(out_dir / f"tmp-{args.arm}")
+        timing = simulate(args.arm, dict(base, **extra), args.owners)
+        print("ARM " + json.dumps(timing), flush=True)
+        return 0
 
     step = dp_step_ratio(args.data_dir)
     print(f"DP-SGD step / SGD step: {step['dp_step_ratio']:.2f}", flush=True)
@@ -117,14 +109,15 @@ def main() -> int:
         "dataset": "fashion-mnist", "data-dir": os.path.abspath(args.data_dir), "max-records": 10000,
         "classes-per-owner": 8, "noise-multiplier": 1.0, "target-epsilon": 1e6, "resume": False,
     }
-    out_dir = Path(args.out).parent
-    fedavg_s = simulate("fedavg", dict(base, **{"method": "fedavg",
-                                               "results-dir": str(out_dir / "tmp-fedavg")}), args.owners)
-    print(f"FedAvg: {fedavg_s:.1f}s", flush=True)
-    jdp_s = simulate("joint-dp", dict(base, **{"method": "joint-dp", "privacy-unit": "record",
-                                               "noise-placement": "local",
-                                               "results-dir": str(out_dir / "tmp-jointdp")}), args.owners)
-    print(f"joint-DP: {jdp_s:.1f}s", flush=True)
+    runs: dict[str, list[dict]] = {"fedavg": [], "joint-dp": []}
+    for rep in range(args.repeats):
+        order = ("fedavg", "joint-dp") if rep % 2 == 0 else ("joint-dp", "fedavg")
+        for app in order:
+            runs[app].append(run_arm(app, base, out_dir, args.owners))
+            print(f"repeat {rep + 1} {app}: {runs[app][-1]['seconds']:.1f}s "
+                  f"{runs[app][-1]['phases']}", flush=True)
+    fedavg_s = statistics.mean(r["seconds"] for r in runs["fedavg"])
+    jdp_s = statistics.mean(r["seconds"] for r in runs["joint-dp"])
     client_rounds = args.owners * args.rounds
     doc = {
         "fedavg_s_per_client_round": fedavg_s / client_rounds,
@@ -133,12 +126,19 @@ def main() -> int:
         "dp_step_ratio": step["dp_step_ratio"],
         "fedavg_wall_s": fedavg_s,
         "jointdp_wall_s": jdp_s,
+        "ratio_per_repeat": [j["seconds"] / f["seconds"]
+                             for f, j in zip(runs["fedavg"], runs["joint-dp"], strict=False)],
+        "runs": runs,
         "dp_step": step,
         "owners": args.owners,
         "rounds": args.rounds,
+        "repeats": args.repeats,
         "config": base,
-        "notes": "wall seconds of the ServerApp (set-up, all rounds, federated evaluation every "
-                 "round); joint-DP includes its set-up query and PLD accounting",
+        "notes": "wall seconds of the whole ServerApp (set-up, all rounds, federated evaluation "
+                 "every round, checkpoints), mean over repeats; every simulation runs in a fresh "
+                 "Python process, FedAvg and joint-DP alternating. Joint-DP includes its set-up "
+                 "query and PLD accounting. 'runs' splits each run: seconds inside "
+                 "Grid.send_and_receive per message type (and per call), 'server_side' the rest",
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "python": sys.version.split()[0],
                     "torch": torch.__version__},

@@ -2,10 +2,15 @@
 
     flwr-jdp epsilon   --noise-multiplier Z --sample-rate Q --steps T --delta D [--accountant pld|rdp]
     flwr-jdp calibrate --epsilon E --delta D --sample-rate Q --steps T [--accountant pld|rdp]
+    flwr-jdp reproduce joint-dp --dataset fashion-mnist --data-dir DIR --owners N \
+        --method joint-dp --epsilon E --seeds K --trust local --out DIR
 
 Both describe DP-SGD: ``T`` Poisson-sampled (rate ``Q``) Gaussian releases with noise
 multiplier ``Z`` under add/remove neighbouring, as TF-Privacy's
 ``compute_dp_sgd_privacy``. The last line printed is the number alone.
+
+``reproduce joint-dp`` runs one cell of the joint-DP paper's tables as Flower
+simulations (one per seed) and appends a row to ``OUT/table.csv``.
 """
 
 from __future__ import annotations
@@ -59,11 +64,55 @@ def build_parser() -> argparse.ArgumentParser:
     p_cal = sub.add_parser("calibrate", help="smallest noise multiplier reaching an epsilon")
     p_cal.add_argument("--epsilon", type=_positive(float), required=True)
     common(p_cal)
+
+    p_rep = sub.add_parser("reproduce", help="run one cell of a paper's experiments")
+    papers = p_rep.add_subparsers(dest="paper", required=True)
+    jdp = papers.add_parser("joint-dp", help="joint-DP across data owners (Tables 1, 2, 4)")
+    jdp.add_argument("--dataset", choices=("fashion-mnist", "mnist", "digits"), default="fashion-mnist")
+    jdp.add_argument("--data-dir", default="", help="folder with the four IDX .gz files "
+                     "(empty: Hugging Face through flwr-datasets)")
+    jdp.add_argument("--owners", type=_positive(int), required=True)
+    jdp.add_argument("--method", choices=("per-silo", "fedavg", "full-dp", "joint-dp"), required=True)
+    jdp.add_argument("--epsilon", type=_positive(float), default=1.0)
+    jdp.add_argument("--seeds", type=_positive(int), default=3)
+    jdp.add_argument("--quick", action="store_true", help="one seed")
+    jdp.add_argument("--trust", choices=("local", "central"), default="local")
+    jdp.add_argument("--records-per-user", type=_positive(int), default=1, help="m/r (user unit if > 1)")
+    jdp.add_argument("--personal", default="fc1", help="personal layers: fc1, conv1, conv2, "
+                     "conv1+fc1, conv2+fc1, conv1+conv2, conv1+conv2+fc1")
+    jdp.add_argument("--supernodes", type=_positive(int), default=2,
+                     help="simulated SuperNodes; the owners are spread over them")
+    jdp.add_argument("--local-epochs", type=_positive(int), default=None, help="default: paper Table 3")
+    jdp.add_argument("--rounds", type=_positive(int), default=None, help="default: paper Table 3")
+    jdp.add_argument("--validation-fraction", type=float, default=0.0,
+                     help="> 0: evaluate on a validation split of the training data (tuning)")
+    jdp.add_argument("--table", default="table.csv", help="CSV file name inside --out")
+    jdp.add_argument("--out", required=True, help="results folder (rows appended to OUT/TABLE)")
     return parser
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from .reproduce.joint_dp import Cell, run_cell
+
+    try:
+        cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon,
+                    args.records_per_user, args.personal)
+    except ValueError as err:
+        print(f"flwr-jdp reproduce: {err}", file=sys.stderr)
+        return 2
+    row = run_cell(cell, 1 if args.quick else args.seeds, args.data_dir, args.out,
+                   supernodes=args.supernodes, table=args.table,
+                   local_epochs=args.local_epochs, rounds=args.rounds,
+                   validation_fraction=args.validation_fraction)
+    print(", ".join(f"{k}={v}" for k, v in row.items()))
+    print(f"{row['acc_mean']:.4f}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "reproduce":
+        return _reproduce(args)
     q, steps, delta, acc = args.sample_rate, args.steps, args.delta, args.accountant
     if args.command == "epsilon":
         eps = epsilon(ev.dp_sgd(args.noise_multiplier, q, steps), delta, acc)

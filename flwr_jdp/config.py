@@ -52,6 +52,8 @@ class JobConfig:
     data_dir: str = ""
     max_records: int = 0
     classes_per_owner: int = 8
+    partitioner: str = "balanced"
+    validation_fraction: float = 0.0
     model: str = "seed-cnn"
     norm: str = "group"
     results_dir: str = "results/run"
@@ -95,6 +97,9 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+
+
+PARTITIONERS = ("balanced", "pathological")
 
 
 def _key(name: str) -> str:
@@ -174,6 +179,9 @@ def validate(cfg: JobConfig) -> None:
     need(cfg.dataset in DATASETS, "dataset", f"one of {DATASETS}")
     need(cfg.max_records >= 0, "max_records", ">= 0 (0 = all)")
     need(cfg.classes_per_owner >= 1, "classes_per_owner", ">= 1")
+    need(cfg.partitioner in PARTITIONERS, "partitioner", f"one of {PARTITIONERS}")
+    need(finite("validation_fraction") and 0 <= cfg.validation_fraction < 1,
+         "validation_fraction", "in [0, 1) (0 = evaluate on the test split)")
     need(cfg.model == "seed-cnn", "model", "'seed-cnn'")
     need(cfg.norm in ("group", "none"), "norm", "'group' or 'none'")
     need(bool(cfg.results_dir), "results_dir", "a non-empty path")

@@ -1,10 +1,25 @@
 """Label-skewed partitions of a data set among owners, and users within an owner.
 
-Training records are split among ``num_owners`` owners with flwr-datasets'
-``PathologicalPartitioner`` (each owner holds at most ``classes_per_owner``
-classes). The test set is split "in the same manner": every owner's test split
-holds only the classes of its training split, and the test records of each class
-are dealt evenly among the owners holding that class.
+Two partitioners, both giving every owner at most ``classes_per_owner`` classes:
+
+``balanced`` (default; the papers' "split evenly")
+    ``max_records`` training records are split so that every owner holds exactly
+    ``N // n`` or ``N // n + 1`` records. Owner ``o`` holds the ``k`` classes at
+    positions ``o*k .. o*k+k-1`` (mod the number of classes) of a seeded class
+    permutation, so every class is held by as many owners as possible alike; each
+    owner's size is spread evenly over its classes, and each class's records are
+    drawn at random (seeded) from the whole training set.
+``pathological``
+    flwr-datasets' ``PathologicalPartitioner`` on a random ``max_records`` subset
+    (sizes vary from owner to owner).
+
+The test set is split "in the same manner": every owner's test split holds only
+the classes of its training split, and the test records of each class are dealt
+evenly among the owners holding that class.
+
+For hyperparameter tuning, ``validation_fraction > 0`` replaces every owner's test
+split by a validation split carved (seeded, stratified by nothing but the owner)
+from its own *training* split; the test set is then not touched at all.
 """
 
 from __future__ import annotations
@@ -70,6 +85,64 @@ def partition_indices(
     return tuple(indices), tuple(classes)
 
 
+def balanced_indices(
+    labels: np.ndarray, num_owners: int, classes_per_owner: int, total: int, seed: int
+) -> tuple[tuple[np.ndarray, ...], tuple[tuple[int, ...], ...]]:
+    """Training indices and class sets per owner, every owner ``total // n`` or
+    ``total // n + 1`` records (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    present = np.unique(labels)
+    num_classes = len(present)
+    k = min(classes_per_owner, num_classes)
+    order = present[rng.permutation(num_classes)]
+    classes = [[int(order[(o * k + j) % num_classes]) for j in range(k)] for o in range(num_owners)]
+    sizes = [total // num_owners + (1 if o < total % num_owners else 0) for o in range(num_owners)]
+    # slot[o][j]: records owner o takes from its j-th class
+    slots = [[len(chunk) for chunk in np.array_split(np.arange(sizes[o]), k)] for o in range(num_owners)]
+    available = {int(c): int((labels == c).sum()) for c in present}
+
+    def demand() -> dict[int, int]:
+        out = dict.fromkeys(available, 0)
+        for o in range(num_owners):
+            for j, c in enumerate(classes[o]):
+                out[c] += slots[o][j]
+        return out
+
+    need = demand()
+    for c in sorted(available, key=lambda c: available[c] - need[c]):
+        # move the excess of a short class to the same owners' other classes
+        while need[c] > available[c]:
+            moved = False
+            for o in range(num_owners):
+                if c not in classes[o] or need[c] <= available[c]:
+                    continue
+                j = classes[o].index(c)
+                spare = [i for i, d in enumerate(classes[o]) if d != c and need[d] < available[d]]
+                if slots[o][j] == 0 or not spare:
+                    continue
+                i = max(spare, key=lambda i: available[classes[o][i]] - need[classes[o][i]])
+                slots[o][j] -= 1
+                slots[o][i] += 1
+                need[c] -= 1
+                need[classes[o][i]] += 1
+                moved = True
+            if not moved:
+                raise ValueError(
+                    f"cannot split {total} records evenly among {num_owners} owners with "
+                    f"{k} classes each: class {c} has only {available[c]} records"
+                )
+    pools = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in available}
+    indices = []
+    for o in range(num_owners):
+        idx: list[int] = []
+        for j, c in enumerate(classes[o]):
+            idx.extend(pools[c][: slots[o][j]])
+            del pools[c][: slots[o][j]]
+        indices.append(np.sort(np.asarray(idx, dtype=np.int64)))
+    held = tuple(tuple(sorted(int(c) for c in np.unique(labels[i]))) for i in indices)
+    return tuple(indices), held
+
+
 def _split_test(y_test: np.ndarray, classes: tuple[tuple[int, ...], ...], seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed + 1)
     per_owner: list[list[int]] = [[] for _ in classes]
@@ -101,27 +174,41 @@ def load_partitions(
     max_records: int,
     records_per_user: int,
     seed: int,
+    partitioner: str = "balanced",
+    validation_fraction: float = 0.0,
 ) -> tuple[OwnerData, ...]:
     """All owners' data for one configuration, built once per process."""
-    ds = _subset(load_dataset(dataset, data_dir, seed), max_records, seed)
-    if num_owners > len(ds.y_train):
-        raise ValueError(
-            f"num-owners={num_owners} exceeds the {len(ds.y_train)} training records"
+    full = load_dataset(dataset, data_dir, seed)
+    ds = _subset(full, max_records, seed) if partitioner == "pathological" else full
+    total = len(full.y_train) if max_records <= 0 else min(max_records, len(full.y_train))
+    if num_owners > total:
+        raise ValueError(f"num-owners={num_owners} exceeds the {total} training records")
+    if partitioner == "pathological":
+        indices, classes = partition_indices(
+            tuple(int(v) for v in ds.y_train), num_owners, classes_per_owner, seed
         )
-    indices, classes = partition_indices(
-        tuple(int(v) for v in ds.y_train), num_owners, classes_per_owner, seed
-    )
+    elif partitioner == "balanced":
+        indices, classes = balanced_indices(ds.y_train, num_owners, classes_per_owner, total, seed)
+    else:
+        raise ValueError(f"partitioner must be 'balanced' or 'pathological', got {partitioner!r}")
     test_idx = _split_test(ds.y_test, classes, seed)
     owners = []
     for o in range(num_owners):
         tr = indices[o]
+        x_test, y_test = ds.x_test[test_idx[o]], ds.y_test[test_idx[o]]
+        if validation_fraction > 0:
+            perm = np.random.default_rng([seed, o, 17]).permutation(tr)
+            held = int(round(validation_fraction * len(tr)))
+            held = min(max(held, 1), len(tr) - 1) if len(tr) > 1 else 0
+            val, tr = np.sort(perm[:held]), np.sort(perm[held:])
+            x_test, y_test = ds.x_train[val], ds.y_train[val]
         owners.append(
             OwnerData(
                 owner_id=o,
                 x_train=ds.x_train[tr],
                 y_train=ds.y_train[tr],
-                x_test=ds.x_test[test_idx[o]],
-                y_test=ds.y_test[test_idx[o]],
+                x_test=x_test,
+                y_test=y_test,
                 user_ids=assign_users(len(tr), records_per_user, seed + 7919 * (o + 1)),
                 classes=classes[o],
             )

@@ -6,6 +6,7 @@ the ledger stores them as JSON so that it survives restarts.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -44,8 +45,8 @@ def compose(events: list[dpa.DpEvent]) -> dpa.DpEvent:
 
 
 def to_dict(event: dpa.DpEvent) -> dict[str, Any]:
-    """Serialise an event (recursively) to plain JSON types."""
-    return _tuple_to_dict(event.to_named_tuple())
+    """Serialise an event (recursively) to plain JSON types (a fresh dict)."""
+    return json.loads(canonical(event))
 
 
 def _tuple_to_dict(value: Any) -> Any:
@@ -73,5 +74,16 @@ def from_dict(data: Any) -> Any:
 
 
 def canonical(event: dpa.DpEvent) -> str:
-    """A canonical string for an event (used to merge and cache)."""
-    return json.dumps(to_dict(event), sort_keys=True)
+    """A canonical string for an event (used to merge and cache). Hashable events
+    (all but those holding a list, e.g. ComposedDpEvent) are serialised once."""
+    try:
+        return _canonical_cached(event)
+    except TypeError:  # unhashable
+        return _canonical(event)
+
+
+def _canonical(event: dpa.DpEvent) -> str:
+    return json.dumps(_tuple_to_dict(event.to_named_tuple()), sort_keys=True)
+
+
+_canonical_cached = functools.lru_cache(maxsize=8192)(_canonical)

@@ -64,6 +64,7 @@ class PrivacyLedger:
     budget: float | None = None
     scopes: dict[str, list[list[Any]]] = field(default_factory=dict)
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    _epsilon_cache: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.delta < 1.0:
@@ -98,10 +99,9 @@ class PrivacyLedger:
         )
 
     # ----------------------------------------------------------------- epsilon
-    def scope_event(self, scope: str, extra: dpa.DpEvent | None = None) -> dpa.DpEvent:
-        """The composed event of ``scope`` (plus an optional planned ``extra``),
-        built from the merged history so that "history + planned" and the history
-        after recording it have the same canonical form (and share a cache entry)."""
+    def _history(self, scope: str, extra: dpa.DpEvent | None = None) -> list[list[Any]]:
+        """The merged (event data, count) history of ``scope`` plus ``extra``, in the
+        same canonical form as after recording ``extra``."""
         history = [[data, count] for data, count in self.scopes.get(scope, [])]
         if extra is not None and not isinstance(extra, dpa.NoOpDpEvent):
             data = ev.to_dict(extra)
@@ -109,30 +109,40 @@ class PrivacyLedger:
                 history[-1][1] += 1
             else:
                 history.append([data, 1])
+        return history
+
+    @staticmethod
+    def _event_of(history: list[list[Any]]) -> dpa.DpEvent:
         parts = [
             dpa.SelfComposedDpEvent(ev.from_dict(data), count) if count > 1 else ev.from_dict(data)
             for data, count in history
         ]
         return ev.compose(parts)
 
+    def scope_event(self, scope: str, extra: dpa.DpEvent | None = None) -> dpa.DpEvent:
+        """The composed event of ``scope`` (plus an optional planned ``extra``)."""
+        return self._event_of(self._history(scope, extra))
+
     def scope_epsilon(self, scope: str, extra: dpa.DpEvent | None = None) -> float:
         """Epsilon at ``delta`` spent by ``scope``."""
         return epsilon(self.scope_event(scope, extra), self.delta, self.accountant)
 
     def epsilon(self, planned: dict[str, dpa.DpEvent] | None = None) -> float:
-        """Joint-DP epsilon: the maximum over scopes (optionally after ``planned``)."""
+        """Joint-DP epsilon: the maximum over scopes (optionally after ``planned``).
+
+        Scopes with the same history (e.g. owners of equal size) are accounted once."""
         planned = planned or {}
         names = set(self.scopes) | set(planned)
         if not names:
             return 0.0
-        seen: dict[str, float] = {}
         worst = 0.0
         for name in names:
-            event = self.scope_event(name, planned.get(name))
-            key = ev.canonical(event)
-            if key not in seen:
-                seen[key] = epsilon(event, self.delta, self.accountant)
-            worst = max(worst, seen[key])
+            history = self._history(name, planned.get(name))
+            key = json.dumps(history, sort_keys=True)
+            if key not in self._epsilon_cache:
+                self._epsilon_cache[key] = epsilon(self._event_of(history), self.delta,
+                                                   self.accountant)
+            worst = max(worst, self._epsilon_cache[key])
         return worst
 
     def would_exceed(self, planned: dict[str, dpa.DpEvent], budget: float | None = None) -> bool:

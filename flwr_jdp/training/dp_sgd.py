@@ -88,14 +88,17 @@ def _unit_index(num_records: int, user_ids: np.ndarray | None) -> tuple[torch.Te
     return ids, int(ids.max()) + 1 if len(ids) else 0
 
 
-def _backward_batch(gsm: GradSampleModule, xt, yt, batch: UnitBatch) -> None:
+def _backward_batch(gsm: GradSampleModule, xt, yt, batch: UnitBatch) -> float:
+    """Per-sample gradients of the batch's summed loss; returns the mean loss
+    before the step (nan for an empty batch)."""
     for p in gsm.parameters():
         p.grad = None
         p.grad_sample = None
     if len(batch.records) == 0:
-        return
+        return float("nan")
     loss = F.cross_entropy(gsm(xt[batch.records]), yt[batch.records], reduction="sum")
     loss.backward()
+    return float(loss.detach()) / len(batch.records)
 
 
 def train_dp_sgd(
@@ -128,7 +131,7 @@ def train_dp_sgd(
     losses = []
     for _ in range(steps):
         batch = poisson_sample(unit_of_record, num_units, sample_rate, generator)
-        _backward_batch(gsm, xt, yt, batch)
+        loss = _backward_batch(gsm, xt, yt, batch)
         with torch.no_grad():
             if len(batch.records):
                 sums = clipped_unit_sum(shared, batch, clipping_norm)
@@ -140,8 +143,7 @@ def train_dp_sgd(
                 for p in personal:
                     p.add_(p.grad / len(batch.records), alpha=-personal_lr)
         if len(batch.records):
-            with torch.no_grad():
-                losses.append(float(F.cross_entropy(model(xt[batch.records]), yt[batch.records])))
+            losses.append(loss)
     _release_hooks(gsm)
     return float(np.mean(losses)) if losses else float("nan")
 

@@ -1,0 +1,223 @@
+"""Reproduce the joint-DP paper's experiments (section 4, appendix C), one cell at a time.
+
+A *cell* is (data set, n owners, method, trust model, epsilon, records per user,
+personal layers). Every seed of a cell is one Flower simulation of the project's
+own ServerApp and ClientApp (:func:`flwr_jdp.simulation.simulate`, Ray backend).
+The reported accuracy of a run is the paper's: the mean over owners of each
+owner's own model (shared + personal parameters) on its own test split, after the
+last round; a cell reports mean and standard deviation over seeds.
+
+Setup, as in the paper
+    N = 10,000 training records split evenly among n owners (balanced
+    partitioner), at most 8 of the 10 classes per owner, the test set split the
+    same way; delta = 1e-4 (= 1/N); local epochs E and rounds T from the paper's
+    Table 3; the seed CNN (two conv layers, two parallel FC heads averaged), FC1
+    personal for joint-DP.
+
+Trust models
+    ``local``: every owner adds its own noise (DP-SGD on the shared parameters);
+    the server is not trusted. ``central``: owners send clipped per-record
+    gradient sums of one Poisson sample per round and the server (trusted
+    aggregator, the paper's billboard model) adds the noise once.
+
+Hyperparameters (learning rates, clipping norm, batch size, GroupNorm) come from
+:data:`HPARAMS`, chosen on a validation split carved from the training data
+(``examples/joint_dp/tune.py``), never on the test split.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import parse_config
+
+METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
+TRUST = ("local", "central")
+COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "seeds", "acc_mean", "acc_std",
+           "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds")
+
+#: The paper's Table 3: n -> (local epochs E, global rounds T).
+PAPER_SCHEDULE = {4: (20, 10), 16: (10, 10), 64: (10, 10), 128: (5, 20), 256: (5, 20), 512: (5, 20)}
+
+#: Named personal-layer rules of the paper's Table 2 (FC2 is always shared).
+PERSONAL_RULES = {
+    "none": "",
+    "conv1": r"^conv1\.",
+    "conv2": r"^conv2\.",
+    "conv1+conv2": r"^(conv1|conv2)\.",
+    "fc1": r"^fc1\.",
+    "conv1+fc1": r"^(conv1|fc1)\.",
+    "conv2+fc1": r"^(conv2|fc1)\.",
+    "conv1+conv2+fc1": r"^(conv1|conv2|fc1)\.",
+}
+
+#: Hyperparameters per (method, trust); see ``results/joint_dp/tuning.csv``.
+HPARAMS: dict[tuple[str, str], dict[str, Any]] = {
+    ("per-silo", "local"): {"learning-rate": 0.05, "personal-learning-rate": 0.05, "batch-size": 16},
+    ("fedavg", "local"): {"learning-rate": 0.05, "personal-learning-rate": 0.05, "batch-size": 16},
+    ("full-dp", "local"): {"learning-rate": 0.5, "personal-learning-rate": 0.05, "batch-size": 32,
+                           "clipping-norm": 1.0},
+    ("joint-dp", "local"): {"learning-rate": 0.5, "personal-learning-rate": 0.05, "batch-size": 32,
+                            "clipping-norm": 1.0},
+    ("full-dp", "central"): {"learning-rate": 0.5, "personal-learning-rate": 0.05, "batch-size": 32,
+                             "clipping-norm": 1.0},
+    ("joint-dp", "central"): {"learning-rate": 0.5, "personal-learning-rate": 0.05, "batch-size": 32,
+                              "clipping-norm": 1.0},
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of a results table."""
+
+    dataset: str
+    owners: int
+    method: str
+    trust: str = "local"
+    epsilon: float = 1.0
+    records_per_user: int = 1
+    personal: str = "fc1"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
+        if self.trust not in TRUST:
+            raise ValueError(f"--trust must be one of {TRUST}, got {self.trust!r}")
+        if self.personal not in PERSONAL_RULES:
+            raise ValueError(f"--personal must be one of {tuple(PERSONAL_RULES)}, got {self.personal!r}")
+        if self.owners < 1:
+            raise ValueError(f"--owners must be >= 1, got {self.owners}")
+        if self.method == "joint-dp" and self.personal == "none":
+            raise ValueError("joint-dp with no personal layers is full-dp: use --method full-dp")
+        if self.dp and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            raise ValueError(f"--epsilon must be > 0 and finite for {self.method}, got {self.epsilon}")
+
+    @property
+    def dp(self) -> bool:
+        return self.method in ("full-dp", "joint-dp")
+
+    @property
+    def name(self) -> str:
+        eps = f"eps{self.epsilon:g}" if self.dp else "nodp"
+        return (f"{self.dataset}-n{self.owners}-{self.method}-{self.trust}-{eps}"
+                f"-mr{self.records_per_user}-{self.personal}")
+
+
+def schedule_for(owners: int) -> tuple[int, int]:
+    """(E, T) of the paper's Table 3; other n take the nearest listed n."""
+    nearest = min(PAPER_SCHEDULE, key=lambda k: (abs(math.log(k) - math.log(owners)), k))
+    return PAPER_SCHEDULE[nearest]
+
+
+def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
+               local_epochs: int | None = None, rounds: int | None = None,
+               validation_fraction: float = 0.0, max_records: int = 10_000,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Flower run config of one seed of ``cell``."""
+    e, t = schedule_for(cell.owners)
+    cfg: dict[str, Any] = {
+        "method": cell.method,
+        "num-owners": cell.owners,
+        "num-rounds": rounds or t,
+        "local-epochs": local_epochs or e,
+        "dataset": cell.dataset,
+        "data-dir": data_dir,
+        "max-records": max_records,
+        "classes-per-owner": 8,
+        "partitioner": "balanced",
+        "validation-fraction": validation_fraction,
+        "delta": 1e-4,
+        "target-epsilon": cell.epsilon if cell.dp else 1e9,
+        "noise-multiplier": 0.0,
+        "privacy-unit": "user" if cell.records_per_user > 1 else "record",
+        "records-per-user": cell.records_per_user,
+        "noise-placement": cell.trust,
+        "accountant": "pld",
+        "norm": "group",
+        "seed": seed,
+        "results-dir": results_dir,
+        "resume": False,
+    }
+    if cell.method == "joint-dp":
+        cfg["personal-layers"] = PERSONAL_RULES[cell.personal]
+    cfg.update(HPARAMS[(cell.method, "central" if cell.dp and cell.trust == "central" else "local")])
+    cfg.update(extra or {})
+    parse_config(cfg)  # fail early with the key's name
+    return cfg
+
+
+def run_seed(cell: Cell, seed: int, data_dir: str, work_dir: Path, supernodes: int = 2,
+             **kwargs: Any) -> dict[str, Any]:
+    """Run one seed of ``cell`` as a Flower simulation; return its results.json."""
+    from ..simulation import simulate
+
+    results_dir = work_dir / cell.name / f"seed{seed}"
+    cfg = run_config(cell, seed, data_dir, str(results_dir), **kwargs)
+    nodes = max(1, min(supernodes, cell.owners))
+    timing = simulate("joint-dp", cfg, num_supernodes=nodes)
+    out = json.loads((results_dir / "results.json").read_text())
+    out["timing"] = timing
+    return out
+
+
+def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[str],
+             supernodes: int = 2, table: str = "table.csv", **kwargs: Any) -> dict[str, Any]:
+    """Run ``seeds`` seeds of ``cell`` and append one row to ``out_dir/table``."""
+    out = Path(out_dir)
+    accs, seconds = [], 0.0
+    t0 = time.time()
+    cfg = None
+    for seed in range(seeds):
+        res = run_seed(cell, seed, data_dir, out / "runs", supernodes, **kwargs)
+        if res.get("rounds_completed", 0) < 1 or res.get("final_accuracy") is None:
+            raise RuntimeError(f"{cell.name} seed {seed}: no round completed "
+                               f"(status {res.get('status')})")
+        accs.append(float(res["final_accuracy"]))
+        cfg = res.get("config", {})
+        print(f"[{cell.name}] seed {seed}: accuracy {accs[-1]:.4f}, epsilon "
+              f"{res.get('final_epsilon', 0.0):.4f} ({res.get('status')}), "
+              f"{res['timing']['seconds']:.0f}s", flush=True)
+    seconds = time.time() - t0
+    row = {
+        "dataset": cell.dataset, "owners": cell.owners, "method": cell.method,
+        "trust": cell.trust if cell.dp else "-", "epsilon": cell.epsilon if cell.dp else "inf",
+        "seeds": seeds, "acc_mean": round(statistics.mean(accs), 4),
+        "acc_std": round(statistics.pstdev(accs), 4) if len(accs) > 1 else 0.0,
+        "records_per_user": cell.records_per_user, "personal_layers": cell.personal,
+        "local_epochs": (cfg or {}).get("local-epochs", ""), "rounds": (cfg or {}).get("num-rounds", ""),
+        "seconds": round(seconds, 1),
+    }
+    append_row(out / table, row)
+    return row
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` to the CSV at ``path`` (header written once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow({k: row.get(k, "") for k in COLUMNS})
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
+    """Rows of a table CSV (empty list if there is none)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    with p.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+__all__ = ["COLUMNS", "Cell", "HPARAMS", "METHODS", "PAPER_SCHEDULE", "PERSONAL_RULES",
+           "TRUST", "append_row", "read_rows", "run_cell", "run_config", "run_seed", "schedule_for"]

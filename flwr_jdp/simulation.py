@@ -1,0 +1,112 @@
+"""Run the project's ServerApp and ClientApp in Flower's Ray simulation from Python.
+
+This is what ``flwr run .`` does, minus the SuperLink: Flower's
+``run_simulation`` with the real ``flwr_jdp.apps`` handlers, a run config given
+as a dict (``run_simulation`` has no run-config argument, so every handler sees a
+copy of its ``Context`` with the overrides applied), and ``num_supernodes``
+SuperNodes. Node ``i`` gets ``partition-id = i`` and ``num-partitions =
+num_supernodes`` and hosts the owners ``flwr_jdp.protocol.hosted_owners`` assigns
+to it, so one SuperNode may host many owners (fewer, larger messages).
+
+Used by the benchmarks and by ``flwr-jdp reproduce``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+APPS = ("joint-dp", "fedavg")
+
+
+class TimedGrid:
+    """A Grid proxy that times every ``send_and_receive`` by message type."""
+
+    def __init__(self, grid: Any) -> None:
+        self._grid = grid
+        self.phases: dict[str, float] = {}
+        self.calls: dict[str, list[float]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages, *args, **kwargs):  # noqa: ANN001
+        messages = list(messages)
+        kind = messages[0].metadata.message_type if messages else "none"
+        t = time.time()
+        replies = list(self._grid.send_and_receive(messages, *args, **kwargs))
+        self.phases[kind] = self.phases.get(kind, 0.0) + time.time() - t
+        self.calls.setdefault(kind, []).append(round(time.time() - t, 3))
+        return replies
+
+
+def simulate(
+    app: str,
+    run_config: dict[str, Any],
+    num_supernodes: int,
+    log_level: str = "ERROR",
+) -> dict[str, Any]:
+    """Run one Flower simulation of ``app`` (``joint-dp``: the project's apps for
+    every method; ``fedavg``: plain Flower FedAvg) and return its wall seconds:
+    ``seconds`` for the whole ServerApp, ``phases`` (seconds inside
+    ``Grid.send_and_receive`` per message type), ``calls`` (seconds of each call
+    per message type) and ``server_side`` (the rest)."""
+    from flwr.app import Context
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    from flwr_jdp.apps import client_app as jdp_client
+    from flwr_jdp.apps import fedavg_app, server_app
+
+    if app not in APPS:
+        raise ValueError(f"app must be one of {APPS}, got {app!r}")
+
+    def configured(context: Context) -> Context:
+        return Context(context.run_id, context.node_id, context.node_config, context.state,
+                       {**context.run_config, **run_config})
+
+    def with_config(handler: Callable) -> Callable:
+        def wrapped(msg, context):  # noqa: ANN001, ANN202
+            return handler(msg, configured(context))
+        return wrapped
+
+    client = ClientApp()
+    server = ServerApp()
+    if app == "fedavg":
+        client.train()(with_config(fedavg_app.train))
+        client.evaluate()(with_config(fedavg_app.evaluate_owner))
+        server_main = fedavg_app.main
+    else:
+        client.query()(with_config(jdp_client.setup))
+        client.train()(with_config(jdp_client.train))
+        client.evaluate()(with_config(jdp_client.evaluate_owners))
+        server_main = server_app.main
+    timing: dict[str, Any] = {}
+
+    @server.main()
+    def main(grid, context):  # noqa: ANN001, ANN202
+        timed = TimedGrid(grid)
+        t0 = time.time()
+        try:
+            server_main(timed, configured(context))
+        except BaseException as err:  # surfaced to the caller below
+            timing["error"] = err
+        timing["seconds"] = time.time() - t0
+        timing["phases"] = dict(timed.phases)
+        timing["calls"] = dict(timed.calls)
+        timing["server_side"] = timing["seconds"] - sum(timed.phases.values())
+
+    run_simulation(server_app=server, client_app=client, num_supernodes=num_supernodes,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"logging_level": log_level,
+                                                 "log_to_driver": False}})
+    if "error" in timing:
+        raise RuntimeError(f"the simulated run failed: {timing['error']}") from timing["error"]
+    if "seconds" not in timing:
+        raise RuntimeError("the simulated ServerApp did not run (see Flower's log)")
+    return timing
+
+
+__all__ = ["APPS", "TimedGrid", "simulate"]

@@ -1,0 +1,47 @@
+"""Partitions: even sizes, at most k classes per owner, disjoint owners, test split by
+the owner's classes, and a validation split carved from training data only."""
+
+import numpy as np
+import pytest
+
+from flwr_jdp.data.partition import balanced_indices, load_partitions
+
+
+@pytest.mark.parametrize("owners", [4, 16, 64, 256])
+def test_balanced_split_is_even_disjoint_and_label_skewed(owners):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, size=30_000)
+    idx, classes = balanced_indices(labels, owners, 8, 10_000, seed=3)
+    sizes = [len(i) for i in idx]
+    assert sum(sizes) == 10_000
+    assert max(sizes) - min(sizes) <= 1
+    flat = np.concatenate(idx)
+    assert len(np.unique(flat)) == len(flat)  # no record held twice
+    for i, cls in zip(idx, classes, strict=True):
+        assert set(np.unique(labels[i]).tolist()) == set(cls)
+        assert len(cls) <= 8
+
+
+def test_balanced_split_fails_with_a_reason_when_a_class_is_short():
+    labels = np.array([0] * 5 + [1] * 1000)
+    with pytest.raises(ValueError, match="class 0 has only 5 records"):
+        balanced_indices(labels, 2, 1, 400, seed=0)
+
+
+def test_digits_owners_hold_at_most_8_classes_and_test_split_matches():
+    owners = load_partitions("digits", "", 16, 8, 0, 1, 0, "balanced", 0.0)
+    sizes = [len(o.y_train) for o in owners]
+    assert max(sizes) - min(sizes) <= 1
+    for o in owners:
+        assert len(o.classes) <= 8
+        assert set(np.unique(o.y_test).tolist()) <= set(o.classes)
+
+
+def test_validation_split_comes_from_training_records_only():
+    plain = load_partitions("digits", "", 4, 8, 0, 1, 0, "balanced", 0.0)
+    val = load_partitions("digits", "", 4, 8, 0, 1, 0, "balanced", 0.25)
+    for p, v in zip(plain, val, strict=True):
+        assert len(v.y_train) + len(v.y_test) == len(p.y_train)
+        train_rows = {row.tobytes() for row in p.x_train}
+        assert all(row.tobytes() in train_rows for row in v.x_test)  # no test record used
+        assert not {row.tobytes() for row in v.x_test} & {row.tobytes() for row in v.x_train}

@@ -1,0 +1,57 @@
+"""`flwr-jdp reproduce joint-dp`: cells are validated, follow the paper's schedule,
+and one cell runs as a Flower (Ray) simulation and appends a row to table.csv."""
+
+import csv
+
+import pytest
+
+from flwr_jdp.cli import main
+from flwr_jdp.config import parse_config
+from flwr_jdp.reproduce.joint_dp import Cell, run_config, schedule_for
+
+
+def test_paper_schedule_table3():
+    assert schedule_for(4) == (20, 10)
+    assert schedule_for(64) == (10, 10)
+    assert schedule_for(512) == (5, 20)
+
+
+def test_cell_run_config_matches_the_paper_setup(tmp_path):
+    cfg = parse_config(run_config(Cell("fashion-mnist", 256, "joint-dp", "central", 1.0), 0,
+                                  "/data", str(tmp_path)))
+    assert (cfg.num_owners, cfg.local_epochs, cfg.num_rounds) == (256, 5, 20)
+    assert (cfg.delta, cfg.target_epsilon, cfg.max_records, cfg.classes_per_owner) == (1e-4, 1.0, 10_000, 8)
+    assert cfg.noise_placement == "central" and cfg.personal_layers == r"^fc1\."
+    user = parse_config(run_config(Cell("mnist", 4, "joint-dp", "local", 3.0, 5), 0, "", str(tmp_path)))
+    assert (user.privacy_unit, user.records_per_user) == ("user", 5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "dp"}, "--method"),
+    ({"trust": "none"}, "--trust"),
+    ({"method": "joint-dp", "personal": "none"}, "full-dp"),
+    ({"method": "full-dp", "epsilon": 0.0}, "--epsilon"),
+])
+def test_bad_cells_fail_with_the_option_name(kwargs, message):
+    args = {"dataset": "mnist", "owners": 4, "method": "joint-dp", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        Cell(**args)
+
+
+def test_reproduce_one_cell_through_flower_simulation(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["reproduce", "joint-dp", "--dataset", "digits", "--owners", "4", "--method",
+               "joint-dp", "--epsilon", "8", "--quick", "--rounds", "2", "--local-epochs", "1",
+               "--out", str(out)])
+    assert rc == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    with (out / "table.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["dataset"], row["owners"], row["method"], row["trust"]) == ("digits", "4", "joint-dp", "local")
+    assert float(row["epsilon"]) == 8.0 and row["seeds"] == "1"
+    assert 0.0 < float(row["acc_mean"]) <= 1.0
+    assert float(last) == pytest.approx(float(row["acc_mean"]), abs=1e-4)
+    results = (out / "runs").rglob("results.json")
+    assert any(results)
