@@ -48,6 +48,7 @@ class JobConfig:
     accountant: str = "pld"
     fraction_train: float = 1.0
     min_valid_fraction: float = 0.5
+    round_timeout: float = 3600.0
     dataset: str = "digits"
     data_dir: str = ""
     max_records: int = 0
@@ -176,6 +177,8 @@ def validate(cfg: JobConfig) -> None:
     need(finite("fraction_train") and 0 < cfg.fraction_train <= 1, "fraction_train", "in (0, 1]")
     need(finite("min_valid_fraction") and 0 <= cfg.min_valid_fraction <= 1,
          "min_valid_fraction", "in [0, 1]")
+    need(finite("round_timeout") and cfg.round_timeout > 0, "round_timeout",
+         "> 0 seconds (replies later than this are dropped)")
     need(cfg.dataset in DATASETS, "dataset", f"one of {DATASETS}")
     need(cfg.max_records >= 0, "max_records", ">= 0 (0 = all)")
     need(cfg.classes_per_owner >= 1, "classes_per_owner", ">= 1")

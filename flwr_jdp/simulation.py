@@ -46,12 +46,16 @@ def simulate(
     run_config: dict[str, Any],
     num_supernodes: int,
     log_level: str = "ERROR",
+    wrap: Callable[[str, Callable], Callable] | None = None,
 ) -> dict[str, Any]:
     """Run one Flower simulation of ``app`` (``joint-dp``: the project's apps for
     every method; ``fedavg``: plain Flower FedAvg) and return its wall seconds:
     ``seconds`` for the whole ServerApp, ``phases`` (seconds inside
     ``Grid.send_and_receive`` per message type), ``calls`` (seconds of each call
-    per message type) and ``server_side`` (the rest)."""
+    per message type) and ``server_side`` (the rest).
+
+    ``wrap(kind, handler) -> handler`` may replace the ClientApp's ``query``,
+    ``train`` and ``evaluate`` handlers (fault injection in tests)."""
     from flwr.app import Context
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
@@ -67,21 +71,23 @@ def simulate(
         return Context(context.run_id, context.node_id, context.node_config, context.state,
                        {**context.run_config, **run_config})
 
-    def with_config(handler: Callable) -> Callable:
+    def with_config(handler: Callable, kind: str = "") -> Callable:
+        inner = wrap(kind, handler) if wrap is not None else handler
+
         def wrapped(msg, context):  # noqa: ANN001, ANN202
-            return handler(msg, configured(context))
+            return inner(msg, configured(context))
         return wrapped
 
     client = ClientApp()
     server = ServerApp()
     if app == "fedavg":
-        client.train()(with_config(fedavg_app.train))
-        client.evaluate()(with_config(fedavg_app.evaluate_owner))
+        client.train()(with_config(fedavg_app.train, "train"))
+        client.evaluate()(with_config(fedavg_app.evaluate_owner, "evaluate"))
         server_main = fedavg_app.main
     else:
-        client.query()(with_config(jdp_client.setup))
-        client.train()(with_config(jdp_client.train))
-        client.evaluate()(with_config(jdp_client.evaluate_owners))
+        client.query()(with_config(jdp_client.setup, "query"))
+        client.train()(with_config(jdp_client.train, "train"))
+        client.evaluate()(with_config(jdp_client.evaluate_owners, "evaluate"))
         server_main = server_app.main
     timing: dict[str, Any] = {}
 

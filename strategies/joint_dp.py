@@ -301,18 +301,23 @@ class JointDP(Strategy):
         grid: Grid,
         initial_arrays: ArrayRecord | None = None,
         num_rounds: int | None = None,
-        timeout: float = 3600,
+        timeout: float | None = None,
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
         """Run set-up and the rounds, checkpointing model, ledger and results to
         ``results-dir`` after every round; stop cleanly when the budget would be
-        exceeded. An unfinished run with the same configuration is resumed."""
+        exceeded. An unfinished run with the same configuration is resumed.
+
+        ``timeout`` (default: run-config ``round-timeout``) bounds every exchange;
+        an owner whose reply is later (crashed, hung or disconnected node) is
+        dropped for that round, which is still charged in full."""
         cfg = self.cfg
+        timeout = float(timeout or cfg.round_timeout)
         num_rounds = num_rounds or cfg.num_rounds
         t0 = time.time()
-        arrays = self.setup(grid, timeout=min(timeout, 120.0))
+        arrays = self.setup(grid, timeout=120.0)
         if initial_arrays is not None:
             arrays = initial_arrays
         ckpt = Checkpoint(Path(cfg.results_dir), cfg.to_dict())
