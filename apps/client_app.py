@@ -69,16 +69,17 @@ def train(msg: Message, context: Context) -> Message:
     rates = dict(zip(wanted, cfg_rec.get(protocol.SAMPLE_RATES, []), strict=False))
     steps = dict(zip(wanted, cfg_rec.get(protocol.STEPS, []), strict=False))
     z = float(cfg_rec.get(protocol.NOISE_MULTIPLIER, 0.0))
+    session = str(cfg_rec.get(protocol.SESSION, ""))
     shared = msg.content[protocol.SHARED]
     data = owner_data(cfg)
     reply = RecordDict()
     for o in _requested(msg, my_owners(cfg, context)):
-        model, split = load_owner_model(cfg, context, data[o], shared)
+        model, split = load_owner_model(cfg, context, data[o], shared, session)
         plan = OwnerPlan(float(rates.get(o, 1.0)), int(steps.get(o, 1)), z)
         release, loss = train_owner_round(
             model, split, data[o], cfg, plan, owner_generator(cfg, server_round, o)
         )
-        save_personal(context, o, model, split)
+        save_personal(context, o, model, split, session)
         log(DEBUG, "owner %d round %d: local train loss %.4f (not sent)", o, server_round, loss)
         reply[protocol.owner_key(o)] = protocol.to_record(
             {name: release[name] for name in split.shared}  # shared names only
@@ -94,13 +95,14 @@ def evaluate_owners(msg: Message, context: Context) -> Message:
     torch.set_num_threads(1)
     cfg = parse_config(context.run_config)
     shared = msg.content[protocol.SHARED]
+    session = str(msg.content[protocol.CONFIG].get(protocol.SESSION, ""))
     data = owner_data(cfg)
     reply = RecordDict()
     for o in _requested(msg, my_owners(cfg, context)):
-        model, _ = load_owner_model(cfg, context, data[o], shared)
+        model, _ = load_owner_model(cfg, context, data[o], shared, session)
         loss, acc = evaluate(model, data[o].x_test, data[o].y_test)
         reply[protocol.metrics_key(o)] = MetricRecord(
             {protocol.NUM_EXAMPLES: len(data[o].y_test), protocol.ACCURACY: acc, protocol.LOSS: loss,
-             protocol.PERSONAL_ROUNDS: trained_rounds(context, o)}
+             protocol.PERSONAL_ROUNDS: trained_rounds(context, o, session)}
         )
     return Message(reply, reply_to=msg)

@@ -3,12 +3,23 @@
 Personal parameters of owner ``o`` live in the node's ``context.state`` under
 ``personal.<o>`` as an ArrayRecord. They are read back at the start of every round
 and written at its end; nothing here ever puts them into a message.
+
+``context.state`` lives as long as the Flower run. A SuperNode started with node
+config ``state-dir=<path>`` also keeps every owner's personal arrays on its own
+disk (``<path>/<session>/personal-<o>.npz``, never sent anywhere; the session id
+comes with every instruction and is kept by the server across restarts), so that
+after the ServerApp is killed and the run resumed, the owners continue from their
+personal state instead of a fresh one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
+from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
@@ -58,12 +69,46 @@ def new_model(cfg: JobConfig, data: OwnerData) -> tuple[nn.Module, ParamSplit]:
     return model, split
 
 
+def _state_file(session: str, context: Context, owner_id: int) -> Path | None:
+    """Node-local file of one owner's personal state, if the node keeps one."""
+    root = context.node_config.get("state-dir")
+    if not root or not session or not str(session).isalnum():
+        return None
+    return Path(str(root)) / str(session) / f"personal-{int(owner_id)}.npz"
+
+
+def _restore_from_disk(session: str, context: Context, owner_id: int) -> None:
+    path = _state_file(session, context, owner_id)
+    if path is None or not path.is_file():
+        return
+    with np.load(path) as npz:
+        arrays = {k: np.asarray(npz[k]) for k in npz.files if k != "__trained_rounds__"}
+        rounds = int(npz["__trained_rounds__"]) if "__trained_rounds__" in npz.files else 0
+    context.state[personal_key(owner_id)] = protocol.to_record(arrays)
+    context.state[f"{personal_key(owner_id)}.meta"] = ConfigRecord({"trained-rounds": rounds})
+
+
+def _save_to_disk(session: str, context: Context, owner_id: int, arrays: dict, rounds: int) -> None:
+    path = _state_file(session, context, owner_id)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "wb") as fh:
+        np.savez(fh, __trained_rounds__=np.int64(rounds), **arrays)
+    os.replace(tmp, path)
+
+
 def load_owner_model(
-    cfg: JobConfig, context: Context, data: OwnerData, shared: ArrayRecord | None
+    cfg: JobConfig, context: Context, data: OwnerData, shared: ArrayRecord | None,
+    session: str = "",
 ) -> tuple[nn.Module, ParamSplit]:
-    """Model = global shared arrays + this owner's personal arrays from state."""
+    """Model = global shared arrays + this owner's personal arrays from state
+    (``context.state``, else the node's ``state-dir``, else the seeded init)."""
     model, split = new_model(cfg, data)
     key = personal_key(data.owner_id)
+    if key not in context.state:
+        _restore_from_disk(session, context, data.owner_id)
     if key in context.state:
         personal = context.state[key].to_numpy_ndarrays()
         set_arrays(model, dict(zip(split.personal, personal, strict=False)))
@@ -72,17 +117,22 @@ def load_owner_model(
     return model, split
 
 
-def save_personal(context: Context, owner_id: int, model: nn.Module, split: ParamSplit) -> None:
-    """Keep the owner's personal arrays in ``context.state`` (never sent), and count
-    the rounds they have been trained for."""
-    context.state[personal_key(owner_id)] = protocol.to_record(get_arrays(model, split.personal))
+def save_personal(context: Context, owner_id: int, model: nn.Module, split: ParamSplit,
+                  session: str = "") -> None:
+    """Keep the owner's personal arrays in ``context.state`` (never sent), and on
+    the node's disk if it has a ``state-dir``; count the rounds trained."""
+    arrays = get_arrays(model, split.personal)
+    context.state[personal_key(owner_id)] = protocol.to_record(arrays)
     meta = f"{personal_key(owner_id)}.meta"
     rounds = int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
     context.state[meta] = ConfigRecord({"trained-rounds": rounds + 1})
+    _save_to_disk(session, context, owner_id, dict(arrays), rounds + 1)
 
 
-def trained_rounds(context: Context, owner_id: int) -> int:
+def trained_rounds(context: Context, owner_id: int, session: str = "") -> int:
     """How many rounds this owner's personal state has been trained (0: fresh)."""
+    if personal_key(owner_id) not in context.state:
+        _restore_from_disk(session, context, owner_id)
     meta = f"{personal_key(owner_id)}.meta"
     return int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
 

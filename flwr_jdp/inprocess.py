@@ -32,16 +32,19 @@ class InProcessGrid(Grid):
     fault : callable, optional
         ``(instruction, reply) -> reply'`` applied to every reply (None drops it):
         used to inject malformed replies and failures.
+    node_config : dict, optional
+        Extra node-config entries of every node (e.g. ``state-dir``).
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict[str, Any],
-                 fault: Fault | None = None) -> None:
+                 fault: Fault | None = None, node_config: dict[str, Any] | None = None) -> None:
         self.client_app = client_app
         self.fault = fault
         self.sent: list[Message] = []  # every reply a ClientApp produced
         self.contexts = {
             1000 + i: Context(run_id=1, node_id=1000 + i,
-                              node_config={"partition-id": i, "num-partitions": num_nodes},
+                              node_config={"partition-id": i, "num-partitions": num_nodes,
+                                           **(node_config or {})},
                               state=RecordDict(), run_config=dict(run_config))
             for i in range(num_nodes)
         }

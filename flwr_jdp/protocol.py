@@ -25,6 +25,7 @@ OWNERS = "owners"
 SAMPLE_RATES = "sample-rates"
 STEPS = "steps"
 NOISE_MULTIPLIER = "noise-multiplier"
+SESSION = "session"  # id of a training session (kept across ServerApp restarts)
 
 # Metric keys.
 NUM_EXAMPLES = "num-examples"

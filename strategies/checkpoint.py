@@ -92,6 +92,13 @@ class Checkpoint:
         data = json.dumps(doc, indent=1, default=float).encode()
         _atomic_write(self.results_path, lambda fh: fh.write(data))
 
+    def session(self) -> str:
+        """The training session id of the run on disk ('' if none)."""
+        try:
+            return str(json.loads(self.results_path.read_text()).get("session", ""))
+        except (OSError, ValueError):
+            return ""
+
     def load(self, spec: dict[str, ArraySpec]) -> tuple[ArrayRecord, PrivacyLedger, list[dict], float]:
         """Restore (shared arrays, ledger, history, noise multiplier)."""
         res = json.loads(self.results_path.read_text())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
@@ -90,6 +91,7 @@ class JointDP(Strategy):
         self._requested: dict[int, list[int]] = {}
         self._current: ArrayRecord = ArrayRecord()
         self.last_round_info: dict[str, object] = {}
+        self.session = secrets.token_hex(8)  # kept across restarts (results.json)
 
     # ------------------------------------------------------------------ set-up
     def setup(self, grid: Grid, timeout: float = 120.0) -> ArrayRecord:
@@ -191,6 +193,7 @@ class JointDP(Strategy):
                 rec[protocol.SAMPLE_RATES] = [float(self.schedule.server_rate)] * len(owners)
                 rec[protocol.STEPS] = [1] * len(owners)
             rec[protocol.NOISE_MULTIPLIER] = float(self.noise_multiplier)
+            rec[protocol.SESSION] = self.session
             content = RecordDict({protocol.SHARED: arrays, protocol.CONFIG: rec})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         return messages
@@ -258,6 +261,7 @@ class JointDP(Strategy):
             rec = ConfigRecord(dict(config))
             rec[protocol.ROUND] = server_round
             rec[protocol.OWNERS] = owners
+            rec[protocol.SESSION] = self.session
             content = RecordDict({protocol.SHARED: arrays, protocol.CONFIG: rec})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.EVALUATE))
         return messages
@@ -326,6 +330,7 @@ class JointDP(Strategy):
             arrays, self.ledger, history, z = ckpt.load(self.spec)
             self.noise_multiplier = z if cfg.dp else self.noise_multiplier
             start_round = len(history) + 1
+            self.session = ckpt.session() or self.session
             log(INFO, "Resuming from %s after round %d (epsilon %.4f spent)",
                 cfg.results_dir, start_round - 1, self.ledger.epsilon())
         self.summary()
@@ -388,6 +393,7 @@ class JointDP(Strategy):
             "shared_parameters": int(sum(math.prod(s.shape) for s in self.spec.values())),
             "personal_parameters": self.num_personal,
             "wall_seconds": time.time() - t0,
+            "session": self.session,
         }
 
 

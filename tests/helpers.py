@@ -9,10 +9,10 @@ from flwr_jdp.config import parse_config
 from flwr_jdp.inprocess import InProcessGrid
 
 
-def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None):
+def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None, node_config=None):
     """Return (strategy, grid, result) after a full run."""
     cfg = parse_config(run_config)
-    grid = InProcessGrid(client_app, num_nodes, run_config, fault=fault)
+    grid = InProcessGrid(client_app, num_nodes, run_config, fault=fault, node_config=node_config)
     strategy = JointDP(cfg)
     result = strategy.start(grid=grid)
     return strategy, grid, result

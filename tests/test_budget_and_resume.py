@@ -61,6 +61,40 @@ def test_restart_resumes_epsilon_not_reset(run_config, tmp_path):
     assert [r["round"] for r in res["history"]] == [1, 2, 3]
 
 
+def test_restart_reuses_personal_state_kept_on_the_nodes_disk(run_config, tmp_path):
+    """A restarted run loses every context.state (new Flower run); nodes with a
+    state-dir reload their owners' personal layers, a fresh session does not."""
+    cfg = dict(run_config, **{"num-rounds": 3})
+    nodes = {"state-dir": str(tmp_path / "node-state")}
+    calls = {"train": 0}
+
+    def kill_in_round_3(instruction, reply):
+        if instruction.metadata.message_type == "train":
+            calls["train"] += 1
+            if calls["train"] > 4:
+                raise Killed()
+        return reply
+
+    with pytest.raises(Killed):
+        run_inprocess(cfg, fault=kill_in_round_3, node_config=nodes)
+    session = load_results(cfg["results-dir"])["session"]
+    assert sorted(p.name for p in (tmp_path / "node-state" / session).iterdir()) == [
+        f"personal-{o}.npz" for o in range(4)]
+    _, grid, _ = run_inprocess(cfg, node_config=nodes)  # fresh contexts, same disk
+    res = load_results(cfg["results-dir"])
+    assert res["session"] == session
+    assert [r["personal_rounds_min"] for r in res["history"]] == [1, 2, 3]  # continued, not reset
+    # nothing personal was ever sent
+    for reply in grid.sent:
+        assert not any(k.startswith("personal") for k in reply.content.keys())
+    # a fresh (non-resumed) run gets a new session and fresh personal layers
+    fresh = dict(cfg, **{"resume": False})
+    run_inprocess(fresh, node_config=nodes)
+    res2 = load_results(cfg["results-dir"])
+    assert res2["session"] != session
+    assert [r["personal_rounds_min"] for r in res2["history"]] == [1, 2, 3]
+
+
 def test_config_change_starts_fresh(run_config):
     run_inprocess(run_config)
     changed = dict(run_config, **{"clipping-norm": 2.0})

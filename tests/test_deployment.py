@@ -12,6 +12,7 @@ configuration.
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from flwr_jdp.strategies import load_results
 
 from .helpers import run_inprocess
 
@@ -58,11 +60,11 @@ def federation(tmp_path):
     start([str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
            "--port", str(port), "--database", str(tmp_path / "state.db")], "superlink")
     for i in range(NODES):
+        node_cfg = f"partition-id={i} num-partitions={NODES} state-dir='{tmp_path / f'node{i}'}'"
         start([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
-               "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions={NODES}"],
-              f"supernode{i}")
+               "--port", str(free_port()), "--node-config", node_cfg], f"supernode{i}")
     try:
-        yield env, "testfed", tmp_path
+        yield env, "testfed", tmp_path, procs[0].pid
     finally:
         for p in procs:
             p.terminate()
@@ -86,32 +88,65 @@ def _runs(env, fed):
 
 @pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None,
                     reason="Flower's SuperLink is not installed beside this Python")
-def test_joint_dp_runs_on_a_real_superlink_and_three_supernodes(federation, run_config):
-    env, fed, tmp = federation
-    results = tmp / "results"
-    overrides = {"num-owners": 6, "num-rounds": 2, "local-epochs": 1, "batch-size": 32,
-                 "noise-multiplier": 0.0, "target-epsilon": 8.0, "resume": False}
+def _descendants_named(root_pid: int, name: str) -> list[int]:
+    """PIDs of processes under ``root_pid`` whose command line contains ``name``."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out = []
+    for pid in parent:
+        p, seen = pid, 0
+        while p in parent and p != root_pid and seen < 64:
+            p, seen = parent[p], seen + 1
+        if p != root_pid:
+            continue
+        try:
+            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if name in cmd:
+            out.append(pid)
+    return out
+
+
+def _start_run(env, fed, overrides, results):
     rc_text = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={str(v).lower()}"
                        for k, v in overrides.items()) + f" results-dir='{results}'"
-    started = None
     for _ in range(20):  # the SuperNodes may still be connecting
         proc = subprocess.run([str(BIN / "flwr"), "run", ".", fed, "--run-config", rc_text],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        if "Successfully started run" in proc.stdout + proc.stderr:
-            started = proc
-            break
+        out = proc.stdout + proc.stderr
+        if "Successfully started run" in out:
+            return out.split("Successfully started run")[1].split()[0]
         time.sleep(2)
-    assert started is not None, f"flwr run failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-    deadline = time.time() + 600
+    raise AssertionError(f"flwr run failed: {out[-3000:]}")
+
+
+def _wait_finished(env, fed, run_id, tmp, timeout=600):
+    deadline = time.time() + timeout
     status = ""
     while time.time() < deadline:
-        runs = _runs(env, fed)
-        status = runs[0]["status"] if runs else ""
+        runs = {r["run-id"]: r for r in _runs(env, fed)}
+        status = runs.get(run_id, {}).get("status", "")
         if status.startswith("finished"):
-            break
+            return status
         time.sleep(3)
     logs = "".join((tmp / f).read_text()[-1500:] for f in ("superlink.log", "supernode0.log"))
-    assert status == "finished:completed", f"run status {status!r}\n{logs}"
+    raise AssertionError(f"run {run_id} status {status!r} after {timeout}s\n{logs}")
+
+
+def test_joint_dp_runs_on_a_real_superlink_and_three_supernodes(federation, run_config):
+    env, fed, tmp, _ = federation
+    results = tmp / "results"
+    overrides = {"num-owners": 6, "num-rounds": 2, "local-epochs": 1, "batch-size": 32,
+                 "noise-multiplier": 0.0, "target-epsilon": 8.0, "resume": False}
+    run_id = _start_run(env, fed, overrides, results)
+    assert _wait_finished(env, fed, run_id, tmp) == "finished:completed"
     res = json.loads((results / "results.json").read_text())
     assert res["status"] == "completed"
     assert (results / "ledger.json").is_file() and (results / "model.npz").is_file()
@@ -124,3 +159,47 @@ def test_joint_dp_runs_on_a_real_superlink_and_three_supernodes(federation, run_
     strategy, _, _ = run_inprocess(run_config, num_nodes=NODES)
     assert res["final_epsilon"] == pytest.approx(strategy.ledger.epsilon(), rel=1e-9)
     assert res["noise_multiplier"] == pytest.approx(strategy.noise_multiplier, rel=1e-12)
+
+
+@pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None,
+                    reason="Flower's SuperLink is not installed beside this Python")
+def test_serverapp_killed_after_a_round_resumes_with_ledger_and_personal_state(federation, run_config):
+    """SIGKILL the ServerApp process after round 1; `flwr run` again with the same
+    configuration: training resumes from the saved model and ledger (epsilon equals
+    an uninterrupted run's, not reset) and the owners reuse their personal layers
+    from their SuperNode's state-dir."""
+    env, fed, tmp, superlink_pid = federation
+    results = tmp / "results"
+    overrides = {"num-owners": 6, "num-rounds": 3, "local-epochs": 1, "batch-size": 32,
+                 "noise-multiplier": 0.0, "target-epsilon": 8.0, "resume": True}
+    run_id = _start_run(env, fed, overrides, results)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        try:
+            if load_results(results)["rounds_completed"] >= 1:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    victims = _descendants_named(superlink_pid, "flwr-serverapp")
+    assert victims, "no ServerApp process to kill"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    mid = load_results(results)
+    assert mid["status"] == "running" and 1 <= mid["rounds_completed"] < 3
+    eps_mid = mid["epsilon"]
+    # the first run ends (the SuperLink notices its ServerApp is gone) or is stopped
+    subprocess.run([str(BIN / "flwr"), "stop", run_id, fed], cwd=ROOT, env=env,
+                   capture_output=True, text=True, timeout=120)
+    run2 = _start_run(env, fed, overrides, results)
+    assert _wait_finished(env, fed, run2, tmp) == "finished:completed"
+    res = load_results(results)
+    assert res["status"] == "completed" and [r["round"] for r in res["history"]] == [1, 2, 3]
+    assert res["epsilon"] > eps_mid  # continued from the spent epsilon, not from 0
+    assert res["session"] == mid["session"]
+    # personal layers continued from the nodes' disks (a fresh state would restart at 1)
+    assert res["history"][-1]["personal_rounds_min"] == 3
+    run_config.update(overrides)
+    run_config["results-dir"] = str(tmp / "reference")
+    strategy, _, _ = run_inprocess(run_config, num_nodes=NODES)
+    assert res["epsilon"] == pytest.approx(strategy.ledger.epsilon(), rel=1e-9)
