@@ -17,12 +17,12 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 
 from flwr_jdp import protocol
-from flwr_jdp.config import parse_config
 from flwr_jdp.training import OwnerPlan, evaluate, train_owner_round
 
 from .owner_state import (
     load_owner_model,
     my_owners,
+    node_job_config,
     num_classes,
     owner_data,
     owner_generator,
@@ -42,7 +42,7 @@ def _requested(msg: Message, hosted: list[int]) -> list[int]:
 @app.query()
 def setup(msg: Message, context: Context) -> Message:
     """Report the owners this node hosts and their data sizes (public metadata)."""
-    cfg = parse_config(context.run_config)
+    cfg = node_job_config(context)
     owners = my_owners(cfg, context)
     data = owner_data(cfg)
     first = data[owners[0]] if owners else data[0]
@@ -62,7 +62,7 @@ def setup(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Train every requested owner hosted here; reply with shared releases only."""
     torch.set_num_threads(1)
-    cfg = parse_config(context.run_config)
+    cfg = node_job_config(context)
     cfg_rec = msg.content[protocol.CONFIG]
     server_round = int(cfg_rec[protocol.ROUND])
     wanted = [int(o) for o in cfg_rec.get(protocol.OWNERS, [])]
@@ -93,7 +93,7 @@ def evaluate_owners(msg: Message, context: Context) -> Message:
     """Each requested owner evaluates its own model (shared + personal) on its own
     test split. Evaluation metrics are not covered by the DP guarantee."""
     torch.set_num_threads(1)
-    cfg = parse_config(context.run_config)
+    cfg = node_job_config(context)
     shared = msg.content[protocol.SHARED]
     session = str(msg.content[protocol.CONFIG].get(protocol.SESSION, ""))
     data = owner_data(cfg)

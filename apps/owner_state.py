@@ -14,6 +14,7 @@ personal state instead of a fresh one.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -25,7 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from torch import nn
 
 from flwr_jdp import protocol
-from flwr_jdp.config import JobConfig
+from flwr_jdp.config import JobConfig, parse_config
 from flwr_jdp.data.datasets import load_dataset
 from flwr_jdp.data.partition import OwnerData, load_partitions
 from flwr_jdp.models import build_model
@@ -36,6 +37,14 @@ from flwr_jdp.privacy.mechanisms import torch_generator
 def personal_key(owner_id: int) -> str:
     """``context.state`` key of one owner's personal arrays."""
     return f"personal.{int(owner_id)}"
+
+
+def node_job_config(context: Context) -> JobConfig:
+    """The run config, with this node's ``data-dir`` (node config) taking precedence:
+    each SuperNode may keep its data set in its own place."""
+    cfg = parse_config(context.run_config)
+    data_dir = context.node_config.get("data-dir")
+    return dataclasses.replace(cfg, data_dir=str(data_dir)) if data_dir else cfg
 
 
 def owner_data(cfg: JobConfig) -> tuple[OwnerData, ...]:

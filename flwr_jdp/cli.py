@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     jdp.add_argument("--validation-fraction", type=float, default=0.0,
                      help="> 0: evaluate on a validation split of the training data (tuning)")
     jdp.add_argument("--table", default="table.csv", help="CSV file name inside --out")
+    jdp.add_argument("--ray-address", default=None,
+                     help="run on an existing Ray cluster (ray start --head ...), e.g. 127.0.0.1:6379")
     jdp.add_argument("--out", required=True, help="results folder (rows appended to OUT/TABLE)")
     return parser
 
@@ -101,7 +103,7 @@ def _reproduce(args: argparse.Namespace) -> int:
         print(f"flwr-jdp reproduce: {err}", file=sys.stderr)
         return 2
     row = run_cell(cell, 1 if args.quick else args.seeds, args.data_dir, args.out,
-                   supernodes=args.supernodes, table=args.table,
+                   supernodes=args.supernodes, table=args.table, ray_address=args.ray_address,
                    local_epochs=args.local_epochs, rounds=args.rounds,
                    validation_fraction=args.validation_fraction)
     print(", ".join(f"{k}={v}" for k, v in row.items()))

@@ -47,12 +47,17 @@ def simulate(
     num_supernodes: int,
     log_level: str = "ERROR",
     wrap: Callable[[str, Callable], Callable] | None = None,
+    ray_address: str | None = None,
 ) -> dict[str, Any]:
     """Run one Flower simulation of ``app`` (``joint-dp``: the project's apps for
     every method; ``fedavg``: plain Flower FedAvg) and return its wall seconds:
     ``seconds`` for the whole ServerApp, ``phases`` (seconds inside
     ``Grid.send_and_receive`` per message type), ``calls`` (seconds of each call
     per message type) and ``server_side`` (the rest).
+
+    ``ray_address`` (e.g. ``"127.0.0.1:6379"`` or ``"auto"``) runs the ClientApps
+    on an existing Ray cluster (``ray start --head`` ...) instead of a Ray that
+    Flower starts; ``RAY_ADDRESS`` in the environment does the same.
 
     ``wrap(kind, handler) -> handler`` may replace the ClientApp's ``query``,
     ``train`` and ``evaluate`` handlers (fault injection in tests)."""
@@ -104,10 +109,12 @@ def simulate(
         timing["calls"] = dict(timed.calls)
         timing["server_side"] = timing["seconds"] - sum(timed.phases.values())
 
+    init_args: dict[str, Any] = {"logging_level": log_level, "log_to_driver": False}
+    if ray_address:
+        init_args["address"] = ray_address
     run_simulation(server_app=server, client_app=client, num_supernodes=num_supernodes,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"logging_level": log_level,
-                                                 "log_to_driver": False}})
+                                   "init_args": init_args})
     if "error" in timing:
         raise RuntimeError(f"the simulated run failed: {timing['error']}") from timing["error"]
     if "seconds" not in timing:

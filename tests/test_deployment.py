@@ -64,7 +64,7 @@ def federation(tmp_path):
         start([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
                "--port", str(free_port()), "--node-config", node_cfg], f"supernode{i}")
     try:
-        yield env, "testfed", tmp_path, procs[0].pid
+        yield env, "testfed", tmp_path, procs[0].pid, procs
     finally:
         for p in procs:
             p.terminate()
@@ -141,7 +141,7 @@ def _wait_finished(env, fed, run_id, tmp, timeout=600):
 
 
 def test_joint_dp_runs_on_a_real_superlink_and_three_supernodes(federation, run_config):
-    env, fed, tmp, _ = federation
+    env, fed, tmp, _, _ = federation
     results = tmp / "results"
     overrides = {"num-owners": 6, "num-rounds": 2, "local-epochs": 1, "batch-size": 32,
                  "noise-multiplier": 0.0, "target-epsilon": 8.0, "resume": False}
@@ -168,7 +168,7 @@ def test_serverapp_killed_after_a_round_resumes_with_ledger_and_personal_state(f
     configuration: training resumes from the saved model and ledger (epsilon equals
     an uninterrupted run's, not reset) and the owners reuse their personal layers
     from their SuperNode's state-dir."""
-    env, fed, tmp, superlink_pid = federation
+    env, fed, tmp, superlink_pid, _ = federation
     results = tmp / "results"
     overrides = {"num-owners": 6, "num-rounds": 3, "local-epochs": 1, "batch-size": 32,
                  "noise-multiplier": 0.0, "target-epsilon": 8.0, "resume": True}
@@ -203,3 +203,28 @@ def test_serverapp_killed_after_a_round_resumes_with_ledger_and_personal_state(f
     run_config["results-dir"] = str(tmp / "reference")
     strategy, _, _ = run_inprocess(run_config, num_nodes=NODES)
     assert res["epsilon"] == pytest.approx(strategy.ledger.epsilon(), rel=1e-9)
+
+
+@pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None,
+                    reason="Flower's SuperLink is not installed beside this Python")
+def test_supernode_disconnecting_mid_run_is_dropped_and_charged(federation, run_config):
+    """SIGKILL one SuperNode once training has started: every round completes with the
+    other two nodes after `round-timeout`, the lost owners are dropped with a reason,
+    and the ledger charges every owner of every round (conservative accounting)."""
+    env, fed, tmp, _, procs = federation
+    results = tmp / "results"
+    overrides = {"num-owners": 6, "num-rounds": 2, "local-epochs": 1, "batch-size": 32,
+                 "noise-multiplier": 1.0, "target-epsilon": 50.0, "resume": False,
+                 "round-timeout": 20.0}
+    run_id = _start_run(env, fed, overrides, results)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(tmp.glob("node2/*/personal-*.npz")):
+        time.sleep(0.2)  # node 2 has trained in round 1: it is alive and the run is on
+    procs[3].kill()  # SuperNode with partition-id 2 (owners 2 and 5) disconnects
+    assert _wait_finished(env, fed, run_id, tmp) == "finished:completed"
+    res = load_results(results)
+    assert res["status"] == "completed"
+    last = res["history"][-1]
+    assert last["dropped_owners"] == 2 and last["valid_owners"] == 4 and not last["skipped"]
+    ledger = json.loads((results / "ledger.json").read_text())
+    assert all(r["scopes"] == 6 for r in ledger["rounds"])  # dropped owners charged too

@@ -45,3 +45,16 @@ def test_validation_split_comes_from_training_records_only():
         train_rows = {row.tobytes() for row in p.x_train}
         assert all(row.tobytes() in train_rows for row in v.x_test)  # no test record used
         assert not {row.tobytes() for row in v.x_test} & {row.tobytes() for row in v.x_train}
+
+
+def test_node_config_data_dir_overrides_the_run_config():
+    from flwr.app import Context, RecordDict
+
+    from flwr_jdp.apps.owner_state import node_job_config
+
+    ctx = Context(1, 5, {"partition-id": 0, "num-partitions": 1, "data-dir": "/data/on/this/node"},
+                  RecordDict(), {"dataset": "fashion-mnist", "data-dir": "/data/default"})
+    assert node_job_config(ctx).data_dir == "/data/on/this/node"
+    ctx2 = Context(1, 5, {"partition-id": 0, "num-partitions": 1}, RecordDict(),
+                   {"dataset": "fashion-mnist", "data-dir": "/data/default"})
+    assert node_job_config(ctx2).data_dir == "/data/default"

@@ -160,28 +160,29 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
 
 
 def run_seed(cell: Cell, seed: int, data_dir: str, work_dir: Path, supernodes: int = 2,
-             **kwargs: Any) -> dict[str, Any]:
+             ray_address: str | None = None, **kwargs: Any) -> dict[str, Any]:
     """Run one seed of ``cell`` as a Flower simulation; return its results.json."""
     from ..simulation import simulate
 
     results_dir = work_dir / cell.name / f"seed{seed}"
     cfg = run_config(cell, seed, data_dir, str(results_dir), **kwargs)
     nodes = max(1, min(supernodes, cell.owners))
-    timing = simulate("joint-dp", cfg, num_supernodes=nodes)
+    timing = simulate("joint-dp", cfg, num_supernodes=nodes, ray_address=ray_address)
     out = json.loads((results_dir / "results.json").read_text())
     out["timing"] = timing
     return out
 
 
 def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[str],
-             supernodes: int = 2, table: str = "table.csv", **kwargs: Any) -> dict[str, Any]:
+             supernodes: int = 2, table: str = "table.csv", ray_address: str | None = None,
+             **kwargs: Any) -> dict[str, Any]:
     """Run ``seeds`` seeds of ``cell`` and append one row to ``out_dir/table``."""
     out = Path(out_dir)
     accs, seconds = [], 0.0
     t0 = time.time()
     cfg = None
     for seed in range(seeds):
-        res = run_seed(cell, seed, data_dir, out / "runs", supernodes, **kwargs)
+        res = run_seed(cell, seed, data_dir, out / "runs", supernodes, ray_address, **kwargs)
         if res.get("rounds_completed", 0) < 1 or res.get("final_accuracy") is None:
             raise RuntimeError(f"{cell.name} seed {seed}: no round completed "
                                f"(status {res.get('status')})")
