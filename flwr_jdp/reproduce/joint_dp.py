@@ -21,8 +21,8 @@ Trust models
     aggregator, the paper's billboard model) adds the noise once.
 
 Hyperparameters (learning rates, clipping norm, batch size, GroupNorm) come from
-:data:`HPARAMS`, chosen on a validation split carved from the training data
-(``examples/joint_dp/tune.py``), never on the test split.
+:data:`HPARAMS`. They were fixed a priori and never tuned on the test split. Tuning
+on a validation split (``--validation-fraction``) has not been run yet.
 """
 
 from __future__ import annotations
