@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
+from pathlib import Path
+
 from flwr_jdp.apps.client_app import app as client_app
 from flwr_jdp.strategies import JointDP
 
@@ -16,3 +21,20 @@ def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None, node_config=
     strategy = JointDP(cfg)
     result = strategy.start(grid=grid)
     return strategy, grid, result
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flwr_env(home: Path) -> dict[str, str]:
+    """Environment for Flower CLI processes: FLWR_HOME at ``home`` (created) and
+    this venv's ``bin`` first on PATH."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["FLWR_HOME"] = str(home)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env

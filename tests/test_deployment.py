@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,27 +21,18 @@ from pathlib import Path
 import pytest
 from flwr_jdp.strategies import load_results
 
-from .helpers import run_inprocess
+from .helpers import flwr_env, free_port, run_inprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 NODES = 3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def federation(tmp_path):
     """A SuperLink and three SuperNodes; yields (env, federation name)."""
     home = tmp_path / "flwr-home"
-    home.mkdir()
-    env = dict(os.environ)
-    env["FLWR_HOME"] = str(home)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env = flwr_env(home)
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     port = free_port()
     (home / "config.toml").write_text(

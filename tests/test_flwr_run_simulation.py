@@ -8,31 +8,24 @@ folder, the local SuperLink gets its own ports, and it is stopped afterwards.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .helpers import flwr_env as make_env
+from .helpers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
 def flwr_env(tmp_path):
     home = tmp_path / "flwr-home"
-    home.mkdir()
-    env = dict(os.environ)
-    env["FLWR_HOME"] = str(home)
+    env = make_env(home)
     env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(free_port())
     env["FLWR_LOCAL_CONTROL_API_PORT"] = str(free_port())
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     yield env
     subprocess.run(["pkill", "-f", str(home)], check=False)
 

@@ -49,7 +49,6 @@ def test_validation_split_comes_from_training_records_only():
 
 def test_node_config_data_dir_overrides_the_run_config():
     from flwr.app import Context, RecordDict
-
     from flwr_jdp.apps.owner_state import node_job_config
 
     ctx = Context(1, 5, {"partition-id": 0, "num-partitions": 1, "data-dir": "/data/on/this/node"},
