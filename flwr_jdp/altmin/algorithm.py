@@ -1,0 +1,192 @@
+"""Priv-AltMin end to end, as server steps and client steps.
+
+The Flower strategy (:mod:`flwr_jdp.strategies.priv_altmin`) and the
+single-process reference (:func:`run_single_process`) call the same functions:
+clients compute clipped sums over the users they host
+(:func:`flwr_jdp.altmin.statistics.init_statistic`,
+:func:`~flwr_jdp.altmin.statistics.altmin_statistics`); the server adds the noise
+once to the total (:func:`server_init`, :func:`server_update`). Sums are additive,
+so splitting users over SuperNodes changes nothing but floating-point order.
+
+Privacy: user-level (eps, delta)-DP of the released embeddings ``U^(t)`` in the
+billboard model (joint DP for the users' ``v_j``), with a trusted aggregator
+that sees only per-node sums of clipped statistics (the paper's "central
+algorithm implemented by a trusted party or MPC").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .plan import BudgetSplit, NoisePlan, calibrate_plan
+from .problem import ProblemSpec, Users, true_embedding
+from .release import GaussianRelease
+from .solver import (
+    embedding_from_init,
+    embedding_from_sums,
+    excess_mse,
+    final_v,
+    newton_update,
+    subspace_distance,
+)
+from .statistics import AltMinSums, SampleSplit, altmin_statistics, init_statistic, newton_statistics
+
+U_STEPS = ("newton", "statistics")
+
+
+@dataclass(frozen=True)
+class AltMinConfig:
+    """Hyperparameters of one Priv-AltMin run (all public)."""
+
+    epochs: int = 5
+    u_step: str = "newton"       # newton | statistics (Algorithm 2 as the paper)
+    zeta: float = 3.0            # init: |y| clip per sample
+    clip_init: float = 0.0       # init: per-user Frobenius clip (0 = (m/2) zeta^2)
+    clip_a: float = 200.0        # per-user |A_j|_F clip
+    clip_b: float = 40.0         # per-user |b_j| clip (statistics step)
+    clip_g: float = 5.0          # per-user gradient clip in epoch 1 (newton step)
+    clip_decay: float = 0.5      # gradient clip in epoch e: clip_g * clip_decay^(e-1)
+    sample_split: str = "full"
+    init_share: float = 0.2
+    epoch_weights: str = "even"
+    a_share: float = 0.3
+    ridge_factor: float = 1.0
+    target_epsilon: float = 5.0  # inf = non-private (no noise, no clipping)
+    delta: float = 1e-6
+    accountant: str = "pld"
+
+    def __post_init__(self) -> None:
+        checks = {
+            "epochs": (self.epochs >= 0, ">= 0"),
+            "zeta": (self.zeta > 0, "> 0"),
+            "clip-init": (self.clip_init >= 0, ">= 0 (0 = (m/2) zeta^2)"),
+            "clip-a": (self.clip_a > 0, "> 0"),
+            "clip-b": (self.clip_b > 0, "> 0"),
+            "clip-g": (self.clip_g > 0, "> 0"),
+            "clip-decay": (0 < self.clip_decay <= 1, "in (0, 1]"),
+            "ridge-factor": (self.ridge_factor >= 0, ">= 0"),
+            "target-epsilon": (self.target_epsilon > 0, "> 0 (inf = non-private)"),
+            "delta": (0 < self.delta < 1, "in (0, 1)"),
+        }
+        for key, (ok, allowed) in checks.items():
+            if not ok:
+                raise ValueError(f"{key} must be {allowed}, got {getattr(self, key.replace('-', '_'))}")
+        SampleSplit(self.sample_split)
+        if self.u_step not in U_STEPS:
+            raise ValueError(f"u-step must be one of {U_STEPS}, got {self.u_step!r}")
+        self.budget_split()
+
+    @property
+    def private(self) -> bool:
+        return bool(np.isfinite(self.target_epsilon))
+
+    def budget_split(self) -> BudgetSplit:
+        return BudgetSplit(self.epochs, self.init_share if self.epochs else 1.0,
+                           self.epoch_weights, self.a_share)
+
+    def split(self) -> SampleSplit:
+        return SampleSplit(self.sample_split)
+
+    def init_clip(self, samples_per_user: int) -> float:
+        if not self.private:
+            return np.inf
+        return self.clip_init or (samples_per_user // 2) * self.zeta ** 2
+
+    def clips(self, epoch: int) -> tuple[float, float]:
+        """Sensitivities ``(S_A, S_2)`` of epoch ``epoch`` (0-based) releases; the
+        second is ``b``'s (statistics step) or the gradient's (newton step)."""
+        if not self.private:
+            return (np.inf, np.inf)
+        if self.u_step == "statistics":
+            return (self.clip_a, self.clip_b)
+        return (self.clip_a, self.clip_g * self.clip_decay ** epoch)
+
+    def noise_plan(self) -> NoisePlan:
+        if not self.private:
+            return NoisePlan(self.budget_split(), 0.0)
+        return calibrate_plan(self.budget_split(), self.target_epsilon, self.delta, self.accountant)
+
+
+# ----------------------------------------------------------------- server steps
+def init_release(cfg: AltMinConfig, plan: NoisePlan, samples_per_user: int) -> GaussianRelease:
+    return GaussianRelease(plan.init_multiplier(), max(cfg.init_clip(samples_per_user), 1e-12)
+                           if cfg.private else 1.0, symmetric=True)
+
+
+def epoch_releases(cfg: AltMinConfig, plan: NoisePlan, epoch: int) -> tuple[GaussianRelease, GaussianRelease]:
+    za, zb = plan.epoch_multipliers(epoch)
+    sa, sb = cfg.clips(epoch) if cfg.private else (1.0, 1.0)
+    return GaussianRelease(za, sa, symmetric=True), GaussianRelease(zb, sb)
+
+
+def client_statistics(users: Users, embedding: np.ndarray, cfg: AltMinConfig, epoch: int) -> AltMinSums:
+    """What a SuperNode sends in epoch ``epoch``: clipped sums over its users."""
+    clip_a, clip_2 = cfg.clips(epoch)
+    stats = newton_statistics if cfg.u_step == "newton" else altmin_statistics
+    return stats(users, embedding, clip_a, clip_2, cfg.split())
+
+
+def server_init(total_m: np.ndarray, release: GaussianRelease, rank: int, rng: np.random.Generator) -> np.ndarray:
+    """Algorithm 3 on the server: noise the summed ``M``, top-``k`` eigenvectors."""
+    return embedding_from_init(release.release(total_m, rng), rank)
+
+
+def server_update(
+    sums: AltMinSums, releases: tuple[GaussianRelease, GaussianRelease], embedding: np.ndarray,
+    cfg: AltMinConfig, rng: np.random.Generator,
+) -> np.ndarray:
+    """Noise ``A`` (Wigner) and the second statistic, then post-process:
+    Algorithm 2 (``statistics``: solve for ``U``, QR) or a Newton step
+    (``newton``: ``vec(U) - A~^{-1} g~``, QR)."""
+    rel_a, rel_2 = releases
+    a = rel_a.release(sums.a, rng)
+    second = rel_2.release(sums.b, rng)
+    dim, rank = embedding.shape
+    if cfg.u_step == "statistics":
+        return embedding_from_sums(a, second, dim, rank, rel_a.std, cfg.ridge_factor)
+    return newton_update(embedding, a, second, rel_a.std, cfg.ridge_factor)
+
+
+# --------------------------------------------------------- single-process run
+@dataclass
+class AltMinResult:
+    embedding: np.ndarray
+    mse: float
+    subspace_distance: float
+    noise_multiplier: float
+    epsilon: float
+    zcdp: float
+    history: list[dict] = field(default_factory=list)
+
+
+def evaluate_users(users: Users, embedding: np.ndarray, spec: ProblemSpec, split: SampleSplit) -> np.ndarray:
+    """Each user's excess population MSE with its final local ``v_j``."""
+    v = final_v(users.x, users.y, embedding, split)
+    return excess_mse(embedding, v, true_embedding(spec), users.v_true)
+
+
+def run_single_process(
+    spec: ProblemSpec, users: Users, cfg: AltMinConfig, rng: np.random.Generator,
+    plan: NoisePlan | None = None, eval_users: Users | None = None,
+) -> AltMinResult:
+    """The whole algorithm in one process over ``users`` (reference for the
+    Flower strategy, and the fast path of the experiments). MSE is measured on
+    ``eval_users`` (default: ``users``), each fitting ``v_j`` on its own data."""
+    plan = plan or cfg.noise_plan()
+    split = cfg.split()
+    m = users.x.shape[1]
+    u_star = true_embedding(spec)
+    total = init_statistic(users, cfg.zeta, cfg.init_clip(m), split)
+    emb = server_init(total, init_release(cfg, plan, m), spec.rank, rng)
+    history = [{"epoch": 0, "subspace_distance": subspace_distance(emb, u_star)}]
+    for e in range(cfg.epochs):
+        sums = client_statistics(users, emb, cfg, e)
+        emb = server_update(sums, epoch_releases(cfg, plan, e), emb, cfg, rng)
+        history.append({"epoch": e + 1, "subspace_distance": subspace_distance(emb, u_star),
+                        "clipped_fraction": sums.clipped / max(1, sums.count)})
+    mse = float(np.mean(evaluate_users(eval_users or users, emb, spec, split)))
+    eps = plan.epsilon(cfg.delta, cfg.accountant) if cfg.private else float("inf")
+    return AltMinResult(emb, mse, subspace_distance(emb, u_star), plan.noise_multiplier, eps,
+                        plan.zcdp, history)
