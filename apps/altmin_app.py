@@ -89,7 +89,7 @@ def epoch_stats(msg: Message, context: Context) -> Message:
     dk = spec.dim * spec.rank
     if not len(users):
         return _reply(msg, {"a": np.zeros((dk, dk)), "b": np.zeros(dk)}, {"num-users": 0, "clipped": 0})
-    sums = client_statistics(users, _embedding(msg), cfg, epoch)
+    sums = client_statistics(users, _embedding(msg), cfg, epoch, spec.num_users)
     return _reply(msg, {"a": sums.a, "b": sums.b}, {"num-users": sums.count, "clipped": sums.clipped})
 
 

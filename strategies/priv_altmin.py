@@ -12,7 +12,10 @@ user-level clipped statistics; the server (a trusted aggregator, as the paper's
 "central algorithm") adds the noise once to the total. Per-node sums are not
 DP on their own.
 
-Round structure (section 6's full-batch variant, ``T = 1``):
+Round structure (default: section 6's full-batch variant, ``T = groups = 1``;
+with ``groups = T = epochs > 1``, Algorithm 1's disjoint user groups: epoch ``t``
+uses only the users of group ``S_t``, each user is charged for the
+initialisation and one epoch, and the ledger keeps one scope per group):
 - round 0 (``train.init``): nodes send ``sum_j c_j M_j``; the server releases
   ``M + Wigner`` and takes its top-``k`` eigenvectors;
 - rounds 1..E (``train``): nodes fit ``v_j`` on the broadcast ``U`` and send
@@ -176,9 +179,7 @@ class PrivAltMin(Strategy):
         for rnd in range(0, self.cfg.epochs + 1):
             t_round = time.time()
             if self.cfg.private:  # charged before the nodes are asked
-                round_events = events[:1] if rnd == 0 else events[2 * rnd - 1: 2 * rnd + 1]
-                for event in round_events:
-                    self.ledger.record(SERVER_SCOPE, event)
+                self._charge(rnd, events)
             replies = grid.send_and_receive(
                 self.configure_train(rnd, arrays, ConfigRecord(), grid), timeout=timeout)
             arrays, train_metrics = self.aggregate_train(rnd, replies)
@@ -196,6 +197,22 @@ class PrivAltMin(Strategy):
         result.arrays = arrays
         self._save(time.time() - t0)
         return result
+
+    def _charge(self, rnd: int, events: list) -> None:
+        """Record round ``rnd``'s releases. Full batch: one ``server`` scope. With
+        ``groups = T > 1``: scope ``group/t`` per disjoint user group; the
+        initialisation touches every group, iteration ``t`` only group ``t``, and
+        the run's epsilon is the maximum over groups (parallel composition)."""
+        if self.cfg.groups <= 1:
+            for event in (events[:1] if rnd == 0 else events[2 * rnd - 1: 2 * rnd + 1]):
+                self.ledger.record(SERVER_SCOPE, event)
+            return
+        if rnd == 0:
+            for t in range(self.cfg.groups):
+                self.ledger.record(f"group/{t}", events[0])
+        else:
+            for event in events[1:3]:
+                self.ledger.record(f"group/{rnd - 1}", event)
 
     def results(self, wall_seconds: float = float("nan")) -> dict:
         last = self.history[-1] if self.history else {}

@@ -187,3 +187,30 @@ def test_flower_aggregate_equals_single_process(tmp_path):
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert ledger["unit"] == "user"
     assert subspace_distance(emb, true_embedding(spec)) == pytest.approx(ref.subspace_distance, abs=1e-6)
+
+
+def test_disjoint_groups_partition_users_and_ledger_charges_each_user_once():
+    from flwr_jdp.strategies import PrivAltMin
+
+    from flwr_jdp.altmin.problem import user_groups
+
+    n, groups = 1000, 4
+    g = user_groups(np.arange(n), n, groups)
+    assert sorted(np.bincount(g)) == [250] * 4
+    spec = ProblemSpec(num_users=n, dim=6, rank=2, seed=2)
+    users = all_users(spec)
+    cfg = AltMinConfig(epochs=groups, groups=groups, target_epsilon=3.0, clip_a=40.0)
+    counts = [client_statistics(users, true_embedding(spec), cfg, t, n).count for t in range(groups)]
+    assert counts == [250] * 4
+    strategy = PrivAltMin(spec, cfg)
+    events = strategy.plan.events()
+    assert len(events) == 3  # init + one epoch's (A, gradient) per user
+    for rnd in range(groups + 1):
+        strategy._charge(rnd, events)
+    assert sorted(strategy.ledger.scopes) == [f"group/{t}" for t in range(groups)]
+    assert strategy.ledger.epsilon() == pytest.approx(strategy.plan.epsilon(cfg.delta), rel=1e-6)
+    assert strategy.ledger.epsilon() <= 3.0
+    res = run_single_process(spec, users, cfg, np.random.default_rng(0))
+    assert res.epsilon <= 3.0 and len(res.history) == groups + 1
+    with pytest.raises(ValueError, match="groups"):
+        AltMinConfig(epochs=3, groups=2)

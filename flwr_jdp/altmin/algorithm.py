@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .plan import BudgetSplit, NoisePlan, calibrate_plan
-from .problem import ProblemSpec, Users, true_embedding
+from .problem import ProblemSpec, Users, subset, true_embedding, user_groups
 from .release import GaussianRelease
 from .solver import (
     embedding_from_init,
@@ -41,6 +41,7 @@ class AltMinConfig:
     """Hyperparameters of one Priv-AltMin run (all public)."""
 
     epochs: int = 5
+    groups: int = 1              # T of Algorithm 1: disjoint user groups, one per epoch (1 = full batch)
     u_step: str = "newton"       # newton | statistics (Algorithm 2 as the paper)
     zeta: float = 3.0            # init: |y| clip per sample
     clip_init: float = 0.0       # init: per-user Frobenius clip (0 = (m/2) zeta^2)
@@ -60,6 +61,7 @@ class AltMinConfig:
     def __post_init__(self) -> None:
         checks = {
             "epochs": (self.epochs >= 0, ">= 0"),
+            "groups": (self.groups == 1 or self.groups == self.epochs, "1 or equal to epochs"),
             "zeta": (self.zeta > 0, "> 0"),
             "clip-init": (self.clip_init >= 0, ">= 0 (0 = (m/2) zeta^2)"),
             "clip-a": (self.clip_a > 0, "> 0"),
@@ -83,8 +85,11 @@ class AltMinConfig:
         return bool(np.isfinite(self.target_epsilon))
 
     def budget_split(self) -> BudgetSplit:
-        return BudgetSplit(self.epochs, self.init_share if self.epochs else 1.0,
-                           self.epoch_weights, self.a_share)
+        """The releases one user takes part in: with ``groups = T > 1`` every user
+        is in the initialisation and in one epoch only (parallel composition
+        over the disjoint groups), so the budget covers init + one epoch."""
+        epochs = 1 if self.groups > 1 else self.epochs
+        return BudgetSplit(epochs, self.init_share if epochs else 1.0, self.epoch_weights, self.a_share)
 
     def split(self) -> SampleSplit:
         return SampleSplit(self.sample_split)
@@ -116,13 +121,17 @@ def init_release(cfg: AltMinConfig, plan: NoisePlan, samples_per_user: int) -> G
 
 
 def epoch_releases(cfg: AltMinConfig, plan: NoisePlan, epoch: int) -> tuple[GaussianRelease, GaussianRelease]:
-    za, zb = plan.epoch_multipliers(epoch)
+    za, zb = plan.epoch_multipliers(0 if cfg.groups > 1 else epoch)
     sa, sb = cfg.clips(epoch) if cfg.private else (1.0, 1.0)
     return GaussianRelease(za, sa, symmetric=True), GaussianRelease(zb, sb)
 
 
-def client_statistics(users: Users, embedding: np.ndarray, cfg: AltMinConfig, epoch: int) -> AltMinSums:
-    """What a SuperNode sends in epoch ``epoch``: clipped sums over its users."""
+def client_statistics(users: Users, embedding: np.ndarray, cfg: AltMinConfig, epoch: int,
+                      num_users: int = 0) -> AltMinSums:
+    """What a SuperNode sends in epoch ``epoch``: clipped sums over its users (with
+    ``groups > 1``: over its users in group ``S_epoch`` of ``num_users`` users)."""
+    if cfg.groups > 1:
+        users = subset(users, user_groups(users.ids, num_users, cfg.groups) == epoch)
     clip_a, clip_2 = cfg.clips(epoch)
     stats = newton_statistics if cfg.u_step == "newton" else altmin_statistics
     return stats(users, embedding, clip_a, clip_2, cfg.split())
@@ -182,7 +191,7 @@ def run_single_process(
     emb = server_init(total, init_release(cfg, plan, m), spec.rank, rng)
     history = [{"epoch": 0, "subspace_distance": subspace_distance(emb, u_star)}]
     for e in range(cfg.epochs):
-        sums = client_statistics(users, emb, cfg, e)
+        sums = client_statistics(users, emb, cfg, e, spec.num_users)
         emb = server_update(sums, epoch_releases(cfg, plan, e), emb, cfg, rng)
         history.append({"epoch": e + 1, "subspace_distance": subspace_distance(emb, u_star),
                         "clipped_fraction": sums.clipped / max(1, sums.count)})

@@ -110,3 +110,18 @@ def node_blocks(spec: ProblemSpec, partition_id: int, num_partitions: int) -> li
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} not in [0, {num_partitions})")
     return list(range(partition_id, spec.num_blocks, num_partitions))
+
+
+def user_groups(ids: np.ndarray, num_users: int, groups: int) -> np.ndarray:
+    """Algorithm 1, lines 2 and 4: a uniformly random (public, data-independent)
+    permutation of the users, cut into ``groups`` disjoint consecutive groups
+    ``S_t``; returns the group of every user id in ``ids``."""
+    if groups <= 1:
+        return np.zeros(len(ids), dtype=np.int64)
+    rank = np.empty(num_users, dtype=np.int64)
+    rank[np.random.default_rng([0x5EED, num_users, groups]).permutation(num_users)] = np.arange(num_users)
+    return (rank[np.asarray(ids)] * groups) // num_users
+
+
+def subset(users: Users, mask: np.ndarray) -> Users:
+    return Users(users.ids[mask], users.x[mask], users.y[mask], users.v_true[mask])
