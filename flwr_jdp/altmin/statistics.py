@@ -130,20 +130,23 @@ class AltMinSums:
                           self.clipped + other.clipped)
 
 
-_MOMENTS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+_MOMENTS: list[tuple[np.ndarray, np.ndarray, str, np.ndarray, np.ndarray]] = []
 
 
 def user_moments(users: Users, split: SampleSplit) -> tuple[np.ndarray, np.ndarray]:
     """``G_j = sum_i x_ij x_ij^T`` and ``h_j = sum_i y_ij x_ij`` on the statistics
-    samples; fixed over epochs, so cached per process (a SuperNode computes them once)."""
-    key = (id(users.x), users.x.shape, split.name)
-    if key not in _MOMENTS:
-        m = users.x.shape[1]
-        xs, ys = users.x[:, split.stats(m)], users.y[:, split.stats(m)]
-        if len(_MOMENTS) > 8:
-            _MOMENTS.clear()
-        _MOMENTS[key] = (np.einsum("jia,jib->jab", xs, xs), np.einsum("jia,ji->ja", xs, ys))
-    return _MOMENTS[key]
+    samples; fixed over epochs, so cached per process (a SuperNode computes them
+    once). The cache holds the data arrays themselves and matches by identity, so
+    a freed array's reused ``id`` can never return another user set's moments."""
+    for x_ref, y_ref, name, gram, h in _MOMENTS:
+        if x_ref is users.x and y_ref is users.y and name == split.name:
+            return gram, h
+    m = users.x.shape[1]
+    xs, ys = users.x[:, split.stats(m)], users.y[:, split.stats(m)]
+    entry = (users.x, users.y, split.name, np.einsum("jia,jib->jab", xs, xs), np.einsum("jia,ji->ja", xs, ys))
+    _MOMENTS.insert(0, entry)
+    del _MOMENTS[4:]
+    return entry[3], entry[4]
 
 
 def _local_v(users: Users, embedding: np.ndarray, split: SampleSplit) -> np.ndarray:
