@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-APPS = ("joint-dp", "fedavg", "priv-altmin")
+APPS = ("joint-dp", "fedavg", "priv-altmin", "dp-mtl")
 
 
 class TimedGrid:
@@ -50,7 +50,7 @@ def simulate(
     ray_address: str | None = None,
 ) -> dict[str, Any]:
     """Run one Flower simulation of ``app`` (``joint-dp``: the project's apps for
-    every method; ``fedavg``: plain Flower FedAvg; ``priv-altmin``: the Priv-AltMin app) and return its wall seconds:
+    every method; ``fedavg``: plain Flower FedAvg; ``priv-altmin``: the Priv-AltMin app; ``dp-mtl``: the DP-MTL app) and return its wall seconds:
     ``seconds`` for the whole ServerApp, ``phases`` (seconds inside
     ``Grid.send_and_receive`` per message type), ``calls`` (seconds of each call
     per message type) and ``server_side`` (the rest).
@@ -66,7 +66,7 @@ def simulate(
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
-    from flwr_jdp.apps import altmin_app, fedavg_app, server_app
+    from flwr_jdp.apps import altmin_app, fedavg_app, mtl_app, server_app
     from flwr_jdp.apps import client_app as jdp_client
 
     if app not in APPS:
@@ -94,6 +94,11 @@ def simulate(
         client.train()(with_config(altmin_app.epoch_stats, "train"))
         client.evaluate()(with_config(altmin_app.evaluate, "evaluate"))
         server_main = altmin_app.main
+    elif app == "dp-mtl":
+        client.query()(with_config(mtl_app.setup, "query"))
+        client.train()(with_config(mtl_app.train, "train"))
+        client.evaluate()(with_config(mtl_app.evaluate, "evaluate"))
+        server_main = mtl_app.main
     else:
         client.query()(with_config(jdp_client.setup, "query"))
         client.train()(with_config(jdp_client.train, "train"))

@@ -38,3 +38,27 @@ def flwr_env(home: Path) -> dict[str, str]:
     env["FLWR_HOME"] = str(home)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
+
+
+def run_flwr_app(tmp_path: Path, app_dir: str, overrides: str, supernodes: int = 2) -> tuple[str, str]:
+    """``flwr run <app_dir> --stream`` in a fresh FLWR_HOME (free ports), as a user
+    runs it; returns (the run's output, ``flwr list --format json``) and stops the
+    local SuperLink it started."""
+    import subprocess
+
+    home = tmp_path / "flwr-home"
+    env = flwr_env(home)
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(free_port())
+    env["FLWR_LOCAL_CONTROL_API_PORT"] = str(free_port())
+    root = Path(__file__).resolve().parent.parent
+    try:
+        proc = subprocess.run(
+            ["flwr", "run", app_dir, "--stream", "--run-config", overrides,
+             "--federation-config", f"num-supernodes={supernodes}"],
+            cwd=root, env=env, capture_output=True, text=True, timeout=900,
+        )
+        listed = subprocess.run(["flwr", "list", "--format", "json"], cwd=root, env=env,
+                                capture_output=True, text=True, timeout=120)
+        return proc.stdout + proc.stderr, listed.stdout
+    finally:
+        subprocess.run(["pkill", "-f", str(home)], check=False)

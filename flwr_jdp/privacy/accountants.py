@@ -5,6 +5,16 @@
   pessimistic discretisation, so the result is an upper bound).
 - ``rdp``: Renyi DP (see :mod:`flwr_jdp.privacy.rdp`), looser but cheap.
 
+Neighbouring relation (``relation``): ``add-remove`` (default; one unit present or
+absent) or ``replace-one`` (one unit's data replaced; the task-level unit of joint
+DP as Kearns et al. define it). A release's noise multiplier is always relative
+to the add/remove sensitivity ``S`` of the sum (one unit's bound); under
+``replace-one`` the sum moves by up to ``2 S``. Unsampled Gaussian and Laplace
+releases under replace-one are therefore converted *exactly* to add/remove
+releases with half the noise multiplier (resp. scale); Poisson-sampled releases
+under replace-one use dp-accounting's PLD with ``NeighboringRelation.REPLACE_ONE``
+(RDP has no such bound in dp-accounting and refuses them).
+
 Every event is first normalised to a multiset of *base* events (a Gaussian, a
 Poisson-sampled Gaussian, ...) with counts, by flattening sequential composition.
 The PLD of each base event is built once per process and self-composed ``count``
@@ -25,6 +35,7 @@ from . import events as ev
 from .rdp import rdp_epsilon
 
 ACCOUNTANTS = ("pld", "rdp")
+RELATIONS = ("add-remove", "replace-one")
 
 #: PLD discretisation of the privacy loss; dp-accounting's default.
 PLD_DISCRETIZATION = 1e-4
@@ -37,12 +48,45 @@ def check_accountant(name: str) -> str:
     return name
 
 
-def epsilon(event: dpa.DpEvent, delta: float, accountant: str = "pld") -> float:
-    """Epsilon spent by ``event`` at ``delta`` (an upper bound)."""
+def check_relation(name: str) -> str:
+    """Return ``name`` if it is a known neighbouring relation, else raise ``ValueError``."""
+    if name not in RELATIONS:
+        raise ValueError(f"neighbouring relation must be one of {RELATIONS}, got {name!r}")
+    return name
+
+
+def as_add_remove(event: dpa.DpEvent) -> dpa.DpEvent:
+    """The add/remove event equivalent to ``event`` under replace-one, where that is
+    exact: a Gaussian (Laplace) release whose sum moves by ``2 S`` is an add/remove
+    release with half the noise multiplier (scale). Sampled events are returned
+    unchanged (see :func:`epsilon`)."""
+    if isinstance(event, dpa.GaussianDpEvent):
+        return dpa.GaussianDpEvent(event.noise_multiplier / 2.0)
+    if isinstance(event, dpa.LaplaceDpEvent):
+        return dpa.LaplaceDpEvent(event.noise_multiplier / 2.0)
+    if isinstance(event, dpa.SelfComposedDpEvent):
+        return dpa.SelfComposedDpEvent(as_add_remove(event.event), event.count)
+    if isinstance(event, dpa.ComposedDpEvent):
+        return dpa.ComposedDpEvent([as_add_remove(e) for e in event.events])
+    return event
+
+
+def epsilon(event: dpa.DpEvent, delta: float, accountant: str = "pld",
+            relation: str = "add-remove") -> float:
+    """Epsilon spent by ``event`` at ``delta`` under ``relation`` (an upper bound)."""
     check_accountant(accountant)
+    check_relation(relation)
     if isinstance(event, dpa.NoOpDpEvent):
         return 0.0
-    return _cached_epsilon(ev.canonical(event), float(delta), accountant)
+    if relation == "replace-one":
+        event = as_add_remove(event)
+        sampled = "PoissonSampledDpEvent" in ev.canonical(event)
+        if not sampled:
+            relation = "add-remove"
+        elif accountant == "rdp":
+            raise ValueError("RDP of Poisson-sampled releases under replace-one is not "
+                             "supported; use the pld accountant")
+    return _cached_epsilon(ev.canonical(event), float(delta), accountant, relation)
 
 
 def base_counts(event: dpa.DpEvent, count: int = 1, out: dict[str, int] | None = None) -> dict[str, int]:
@@ -62,20 +106,24 @@ def base_counts(event: dpa.DpEvent, count: int = 1, out: dict[str, int] | None =
 
 
 @functools.lru_cache(maxsize=512)
-def _base_pld(event_json: str):
-    acc = PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+def _base_pld(event_json: str, relation: str = "add-remove"):
+    rel = (dpa.NeighboringRelation.REPLACE_ONE if relation == "replace-one"
+           else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc = PLDAccountant(neighboring_relation=rel,
+                        value_discretization_interval=PLD_DISCRETIZATION)
     acc.compose(ev.from_dict(json.loads(event_json)))
     return acc._pld  # noqa: SLF001 - the composed PrivacyLossDistribution
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_epsilon(event_json: str, delta: float, accountant: str) -> float:
+def _cached_epsilon(event_json: str, delta: float, accountant: str,
+                    relation: str = "add-remove") -> float:
     event = ev.from_dict(json.loads(event_json))
     if accountant == "rdp":
         return rdp_epsilon(event, delta)
     total = None
     for base, count in sorted(base_counts(event).items()):
-        pld = _base_pld(base)
+        pld = _base_pld(base, relation)
         pld = pld.self_compose(count) if count > 1 else pld
         total = pld if total is None else total.compose(pld)
     if total is None:

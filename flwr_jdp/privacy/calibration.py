@@ -25,11 +25,13 @@ def calibrate(
     event_fn: Callable[[float], dpa.DpEvent | list[dpa.DpEvent]],
     accountant: str = "pld",
     rel_tol: float = 0.005,
+    relation: str = "add-remove",
 ) -> float:
     """Smallest ``z`` with ``max_k epsilon(event_fn(z)[k]) <= target_epsilon``.
 
     ``event_fn`` may return several events (for example one per owner); the
     maximum of their epsilons must meet the target (joint-DP over disjoint owners).
+    ``relation`` is the neighbouring relation (see :mod:`.accountants`).
     """
     if target_epsilon <= 0:
         raise ValueError(f"target epsilon must be > 0, got {target_epsilon}")
@@ -37,7 +39,9 @@ def calibrate(
     def eps(z: float, backend: str = accountant) -> float:
         out = event_fn(z)
         events = out if isinstance(out, list) else [out]
-        return max(epsilon(e, delta, backend) for e in events)
+        if backend == "rdp" and relation == "replace-one":
+            backend = "pld"  # RDP has no replace-one bound for sampled events
+        return max(epsilon(e, delta, backend, relation) for e in events)
 
     # Bracket cheaply: RDP upper-bounds PLD, so an RDP-calibrated z is feasible.
     hi = 1.0

@@ -32,7 +32,7 @@ from typing import Any
 import dp_accounting as dpa
 
 from . import events as ev
-from .accountants import check_accountant, epsilon
+from .accountants import check_accountant, check_relation, epsilon
 
 SERVER_SCOPE = "server"
 
@@ -56,12 +56,16 @@ class PrivacyLedger:
         The privacy unit every event protects (record, user, owner, subject).
     budget : float or None
         Epsilon budget; :meth:`would_exceed` compares against it.
+    neighbouring : str
+        ``"add-remove"`` (default) or ``"replace-one"`` (see
+        :mod:`flwr_jdp.privacy.accountants`): what a neighbouring dataset changes.
     """
 
     delta: float
     accountant: str = "pld"
     unit: str = "record"
     budget: float | None = None
+    neighbouring: str = "add-remove"
     scopes: dict[str, list[list[Any]]] = field(default_factory=dict)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     _epsilon_cache: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
@@ -70,6 +74,7 @@ class PrivacyLedger:
         if not 0.0 < self.delta < 1.0:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         check_accountant(self.accountant)
+        check_relation(self.neighbouring)
 
     # ------------------------------------------------------------------ record
     def record(self, scope: str, event: dpa.DpEvent) -> None:
@@ -125,7 +130,7 @@ class PrivacyLedger:
 
     def scope_epsilon(self, scope: str, extra: dpa.DpEvent | None = None) -> float:
         """Epsilon at ``delta`` spent by ``scope``."""
-        return epsilon(self.scope_event(scope, extra), self.delta, self.accountant)
+        return epsilon(self.scope_event(scope, extra), self.delta, self.accountant, self.neighbouring)
 
     def epsilon(self, planned: dict[str, dpa.DpEvent] | None = None) -> float:
         """Joint-DP epsilon: the maximum over scopes (optionally after ``planned``).
@@ -141,7 +146,7 @@ class PrivacyLedger:
             key = json.dumps(history, sort_keys=True)
             if key not in self._epsilon_cache:
                 self._epsilon_cache[key] = epsilon(self._event_of(history), self.delta,
-                                                   self.accountant)
+                                                   self.accountant, self.neighbouring)
             worst = max(worst, self._epsilon_cache[key])
         return worst
 
@@ -160,6 +165,7 @@ class PrivacyLedger:
             "delta": self.delta,
             "accountant": self.accountant,
             "unit": self.unit,
+            "neighbouring": self.neighbouring,
             "budget": self.budget,
             "epsilon": self.epsilon(),
             "scopes": self.scopes,
@@ -168,10 +174,11 @@ class PrivacyLedger:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; delta, accountant and unit must match."""
-        for key in ("delta", "accountant", "unit"):
-            if state.get(key) != getattr(self, key):
+        defaults = {"neighbouring": "add-remove"}  # ledgers written before the field
+        for key in ("delta", "accountant", "unit", "neighbouring"):
+            if state.get(key, defaults.get(key)) != getattr(self, key):
                 raise ValueError(
-                    f"ledger on disk has {key}={state.get(key)!r}, "
+                    f"ledger on disk has {key}={state.get(key, defaults.get(key))!r}, "
                     f"this run has {key}={getattr(self, key)!r}"
                 )
         self.scopes = {k: [[d, int(c)] for d, c in v] for k, v in state["scopes"].items()}
@@ -196,6 +203,7 @@ class PrivacyLedger:
             accountant=state["accountant"],
             unit=state["unit"],
             budget=state.get("budget"),
+            neighbouring=state.get("neighbouring", "add-remove"),
         )
         ledger.load_state_dict(state)
         return ledger

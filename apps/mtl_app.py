@@ -1,0 +1,115 @@
+"""The DP-MTL Flower App: ``server`` (ServerApp) and ``client`` (ClientApp).
+
+A SuperNode with ``partition-id = p`` of ``num-partitions = P`` hosts tasks
+``p, p + P, ...``. It builds their data itself (synthetic tasks from the run
+config, or the project's label-skew owners of a real data set, once per
+process), keeps every task's model ``w_k`` in ``context.state``, and sends only
+the ball-projected ``w_k`` of the tasks the server sampled. Personalized models
+(fine-tuned against ``w~``) are computed for evaluation and never sent. Run it
+with ``flwr run examples/mtl`` or :func:`flwr_jdp.simulation.simulate`
+(``app="dp-mtl"``).
+"""
+
+from __future__ import annotations
+
+from logging import ERROR
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+from flwr_jdp.strategies.dp_mtl import (
+    CONFIG,
+    MEAN,
+    METRICS,
+    MODELS,
+    SETUP,
+    TASKS,
+    DPMeanRegularizedMTL,
+    task_key,
+)
+
+from flwr_jdp.config import ConfigError
+from flwr_jdp.mtl.algorithm import evaluate_task, task_round
+from flwr_jdp.mtl.config import parse_mtl_config
+from flwr_jdp.protocol import hosted_owners
+
+server = ServerApp()
+client = ClientApp()
+STATE_PREFIX = "dp-mtl.task."
+
+
+@server.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run DP mean-regularized MTL as configured by the run config."""
+    try:
+        source, cfg, extras = parse_mtl_config(context.run_config)
+        num_params = source.model().num_params
+    except (ConfigError, FileNotFoundError) as err:
+        log(ERROR, "Invalid configuration: %s", err)
+        raise
+    strategy = DPMeanRegularizedMTL(source.num_tasks, num_params, cfg, extras["results-dir"],
+                                    extras["noise-seed"], dict(context.run_config),
+                                    resume=bool(context.run_config.get("resume", True)))
+    strategy.start(grid)
+
+
+def _hosted(context: Context) -> list[int]:
+    source, _, _ = parse_mtl_config(context.run_config)
+    pid = int(context.node_config.get("partition-id", 0))
+    parts = int(context.node_config.get("num-partitions", 1))
+    return hosted_owners(source.num_tasks, pid, parts)
+
+
+def _load_w(context: Context, task_id: int, num_params: int) -> np.ndarray:
+    rec = context.state.get(STATE_PREFIX + str(task_id))
+    if rec is None:
+        return np.zeros(num_params)  # w_k^0 = 0 (data-free)
+    return rec["w"].numpy()
+
+
+def _mean(msg: Message) -> np.ndarray:
+    return msg.content[MEAN][MEAN].numpy()
+
+
+@client.query()
+def setup(msg: Message, context: Context) -> Message:
+    """Report the task ids this node hosts (public metadata)."""
+    return Message(RecordDict({SETUP: ConfigRecord({TASKS: _hosted(context)})}), reply_to=msg)
+
+
+@client.train()
+def train(msg: Message, context: Context) -> Message:
+    """``E`` projected gradient steps for each requested task hosted here; reply
+    with the projected ``w_k``; keep them in ``context.state``."""
+    source, cfg, _ = parse_mtl_config(context.run_config)
+    model = source.model()
+    hosted = set(_hosted(context))
+    wanted = [int(k) for k in msg.content[CONFIG].get(TASKS, []) if int(k) in hosted]
+    mean = _mean(msg)
+    out = {}
+    for task in source.tasks(tuple(wanted)):
+        w = task_round(_load_w(context, task.task_id, model.num_params), mean, task, model, cfg)
+        context.state[STATE_PREFIX + str(task.task_id)] = ArrayRecord({"w": Array(w)})
+        out[task_key(task.task_id)] = Array(np.ascontiguousarray(w, dtype=np.float64))
+    return Message(RecordDict({MODELS: ArrayRecord(out), METRICS: MetricRecord({"tasks": len(out)})}),
+                   reply_to=msg)
+
+
+@client.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Each hosted task fine-tunes a copy against ``w~`` and measures its
+    personalized model on its own test data; the node replies with sums."""
+    source, cfg, _ = parse_mtl_config(context.run_config)
+    model = source.model()
+    mean = _mean(msg)
+    sums = {"excess-sum": 0.0, "loss-sum": 0.0, "accuracy-sum": 0.0,
+            "excess-count": 0, "loss-count": 0, "accuracy-count": 0}
+    for task in source.tasks(tuple(_hosted(context))):
+        row = evaluate_task(_load_w(context, task.task_id, model.num_params), mean, task, model, cfg)
+        for key, value in row.items():
+            if np.isfinite(value):
+                sums[f"{key}-sum"] += float(value)
+                sums[f"{key}-count"] += 1
+    return Message(RecordDict({METRICS: MetricRecord(sums)}), reply_to=msg)

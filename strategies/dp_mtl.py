@@ -1,0 +1,296 @@
+"""DPMeanRegularizedMTL: DP mean-regularized multi-task learning (Algorithm 1 of
+Hu, Wu and Smith) as a Flower Message-API strategy.
+
+Privacy guarantee: task-level (epsilon, delta)-joint DP. The unit is one task's
+(owner's) whole data set, neighbouring by ``replace-one`` (default, the JDP
+definition) or ``add-remove``. Every released mean ``w~^t`` is a Gaussian release
+of sensitivity ``2B/(qm)`` (replace-one) or ``B/(qm)`` (add/remove) with noise std
+``sigma`` per coordinate (see :mod:`flwr_jdp.mtl.noise`); the ledger (one
+``server`` scope) charges each release *before* the tasks are asked, in the
+calibration mode's terms (``paper``: Theorem 1's RDP; ``tight``: the exact event,
+PLD, with amplification by Poisson task sampling when ``fraction-train < 1``).
+
+Trust model: the aggregator (this strategy) is trusted and sees each sampled
+task's ball-projected ``w_k``; other tasks only ever receive the noisy means.
+Each task keeps ``w_k`` in its SuperNode's ``context.state``, and its
+personalized model (fine-tuned against the final ``w~``) never leaves it.
+
+Rounds
+- ``query`` (once): each SuperNode reports the task ids it hosts;
+- ``train`` (rounds 1..T): each node gets ``w~`` and *only its own* sampled task
+  ids (the sample stays hidden from other tasks, as amplification requires),
+  runs ``E`` projected gradient steps per task and replies with the ``w_k``;
+- ``evaluate`` (every round): nodes fine-tune copies against ``w~`` and report
+  summed test metrics of the personalized models (a benchmark metric of the
+  tasks' own test data, not covered by DP).
+
+A reply that is an error, lacks a record, names a task that was not asked (or
+twice), or carries a model of the wrong shape, non-finite, or outside the ball
+is dropped with a logged reason: that task is then absent from the sum, which
+the sensitivity covers. Results, ledger and the current mean are written after
+every round (``results-dir``); a restarted server with ``resume`` continues from
+the saved round and the epsilon it had spent.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from flwr_jdp.mtl.algorithm import MeanServer, MTLConfig
+from flwr_jdp.mtl.noise import MeanRelease, paper_sigma, tight_sigma
+from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
+from flwr_jdp.privacy.mechanisms import numpy_rng
+
+from .checkpoint import Checkpoint
+
+CONFIG, MEAN, MODELS, METRICS, SETUP = "config", "mean", "models", "metrics", "setup"
+TASKS, ROUND = "tasks", "round"
+#: Relative slack on the ball check (float32/float64 round-off of a projected model).
+BALL_SLACK = 1e-6
+
+
+def task_key(task_id: int) -> str:
+    return f"task.{int(task_id)}"
+
+
+def parse_task_key(key: str) -> int | None:
+    head, _, rest = key.partition(".")
+    return int(rest) if head == "task" and rest.isdigit() else None
+
+
+class DPMeanRegularizedMTL(Strategy):
+    """Algorithm 1: broadcast ``w~``, tasks take projected steps, release a noisy mean."""
+
+    def __init__(self, num_tasks: int, num_params: int, cfg: MTLConfig, results_dir: str | Path = "",
+                 noise_seed: int = -1, run_config: dict | None = None, resume: bool = True) -> None:
+        self.num_tasks, self.num_params, self.cfg = num_tasks, num_params, cfg
+        if cfg.private:
+            self.release = cfg.release(num_tasks)
+        else:
+            self.release = MeanRelease(cfg.radius, num_tasks, cfg.fraction_train, 0.0, cfg.neighbouring)
+        self.ledger = PrivacyLedger(delta=cfg.delta, accountant=cfg.accountant, unit="owner",
+                                    budget=cfg.target_epsilon if cfg.private else None,
+                                    neighbouring=cfg.neighbouring)
+        self.server = MeanServer(self.release, numpy_rng(None if noise_seed < 0 else noise_seed))
+        self.mean = np.zeros(num_params)
+        self.node_tasks: dict[int, list[int]] = {}
+        self.history: list[dict] = []
+        self.dropped: list[str] = []
+        self.status = "running"
+        self.resume = resume
+        self._report: dict | None = None
+        self.checkpoint = Checkpoint(Path(results_dir), dict(run_config or {})) if results_dir else None
+
+    # ------------------------------------------------------------ helpers
+    def _drop(self, reply: Message, reason: str) -> None:
+        msg = f"node {reply.metadata.src_node_id}: {reason}"
+        self.dropped.append(msg)
+        log(WARNING, "Dropped reply from %s", msg)
+
+    def _mean_record(self) -> ArrayRecord:
+        return ArrayRecord({MEAN: Array(np.ascontiguousarray(self.mean, dtype=np.float64))})
+
+    def calibration_report(self) -> dict:
+        """The noise of both calibrations for this run's setting, side by side."""
+        if self._report is None:
+            self._report = self._calibrations()
+        return self._report
+
+    def _calibrations(self) -> dict:
+        if not self.cfg.private:
+            return {}
+        c = self.cfg
+        paper = paper_sigma(c.target_epsilon, c.delta, c.radius, c.rounds, self.num_tasks)
+        tight = tight_sigma(c.target_epsilon, c.delta, c.radius, c.rounds, self.num_tasks,
+                            c.fraction_train, c.neighbouring, c.accountant)
+        return {"paper_sigma": paper, "tight_sigma": tight, "ratio": paper / tight}
+
+    # ------------------------------------------------------------- setup
+    def discover(self, grid: Grid, timeout: float) -> None:
+        """Ask every node which tasks it hosts; keep each task at one node. Nodes
+        may still be joining: new nodes are queried until every task is hosted or
+        ``timeout`` passes (then the run goes on without the missing tasks)."""
+        seen: set[int] = set()
+        queried: set[int] = set()
+        deadline = time.time() + timeout
+        while True:
+            nodes = [n for n in grid.get_node_ids() if n not in queried]
+            queried.update(nodes)
+            msgs = [Message(RecordDict({CONFIG: ConfigRecord({ROUND: 0})}), dst_node_id=n,
+                            message_type=MessageType.QUERY) for n in nodes]
+            for reply in (grid.send_and_receive(msgs, timeout=timeout) if msgs else []):
+                if reply.has_error() or SETUP not in reply.content:
+                    self._drop(reply, "setup reply without a 'setup' record")
+                    continue
+                ids = [int(k) for k in reply.content[SETUP].get(TASKS, [])]
+                bad = [k for k in ids if not 0 <= k < self.num_tasks or k in seen]
+                if bad:
+                    self._drop(reply, f"task ids {bad[:5]} out of range or hosted twice")
+                    continue
+                seen.update(ids)
+                self.node_tasks[reply.metadata.src_node_id] = ids
+            if len(seen) == self.num_tasks or time.time() > deadline:
+                break
+            time.sleep(1.0)
+        missing = self.num_tasks - len(seen)
+        if missing:
+            log(WARNING, "%d of %d tasks are hosted by no responding node", missing, self.num_tasks)
+
+    # ------------------------------------------------------------- rounds
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Poisson-sample tasks; each node gets ``w~`` and its own sampled ids."""
+        out = []
+        for node, ids in self.node_tasks.items():
+            chosen = self.server.sample(ids)
+            if chosen:
+                content = RecordDict({CONFIG: ConfigRecord({ROUND: server_round, TASKS: chosen}),
+                                      MEAN: arrays})
+                out.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
+        return out
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message],
+                        asked: dict[int, set[int]] | None = None) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Sum the valid, in-ball task models; release the noisy mean."""
+        total = np.zeros(self.num_params)
+        got: set[int] = set()
+        for reply in replies:
+            if reply.has_error():
+                self._drop(reply, f"error reply: {reply.error.reason}")
+                continue
+            if MODELS not in reply.content:
+                self._drop(reply, "missing 'models' record")
+                continue
+            allowed = (asked or {}).get(reply.metadata.src_node_id)
+            for key, arr in reply.content[MODELS].items():
+                k = parse_task_key(key)
+                w = arr.numpy()
+                reason = None
+                if k is None or (allowed is not None and k not in allowed) or k in got:
+                    reason = f"model '{key}' was not asked for (or sent twice)"
+                elif w.shape != (self.num_params,) or not np.all(np.isfinite(w)):
+                    reason = f"model '{key}' has shape {w.shape} (expected ({self.num_params},)) or non-finite values"
+                elif float(np.linalg.norm(w)) > self.cfg.radius * (1 + BALL_SLACK):
+                    reason = f"model '{key}' has norm {np.linalg.norm(w):.4g} > radius {self.cfg.radius}"
+                if reason:
+                    self._drop(reply, reason)
+                    continue
+                got.add(k)
+                total += w
+        self.mean = self.server.noisy_mean(total)
+        return self._mean_record(), MetricRecord({"tasks": len(got)})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return [Message(RecordDict({CONFIG: ConfigRecord({ROUND: server_round}), MEAN: arrays}),
+                        dst_node_id=node, message_type=MessageType.EVALUATE) for node in self.node_tasks]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        sums = {"excess": 0.0, "loss": 0.0, "accuracy": 0.0}
+        counts = {"excess": 0, "loss": 0, "accuracy": 0}
+        for reply in replies:
+            if reply.has_error() or METRICS not in reply.content:
+                self._drop(reply, "evaluation reply without metrics")
+                continue
+            rec = reply.content[METRICS]
+            for key in sums:
+                n = int(rec.get(f"{key}-count", 0))
+                if n > 0:
+                    sums[key] += float(rec[f"{key}-sum"])
+                    counts[key] += n
+        if not any(counts.values()):
+            return None
+        return MetricRecord({k: (sums[k] / counts[k] if counts[k] else float("nan")) for k in sums}
+                            | {"tasks": counts["loss"]})
+
+    def summary(self) -> None:
+        """Log the configuration, the noise and both calibrations."""
+        report = self.calibration_report()
+        log(INFO, "DP-MTL: %d tasks, %d parameters, lambda=%g, B=%g, T=%d, E=%d, q=%g | %s | "
+            "calibration %s: sigma=%.4g (noise multiplier %.3f; paper %.4g, tight %.4g) | unit: one task "
+            "(%s) | target epsilon %s at delta %.3g", self.num_tasks, self.num_params, self.cfg.lam,
+            self.cfg.radius, self.cfg.rounds, self.cfg.local_steps, self.cfg.fraction_train,
+            "private" if self.cfg.private else "NON-PRIVATE", self.cfg.calibration, self.release.sigma,
+            self.release.noise_multiplier, report.get("paper_sigma", 0.0), report.get("tight_sigma", 0.0),
+            self.cfg.neighbouring, self.cfg.target_epsilon, self.cfg.delta)
+
+    # ----------------------------------------------------------- main loop
+    def start(self, grid: Grid, timeout: float = 3600.0, **_: object) -> Result:  # type: ignore[override]
+        """Run ``T`` rounds (or the rest of them after a restart)."""
+        t0 = time.time()
+        first = self._maybe_resume()
+        self.summary()
+        self.discover(grid, timeout)
+        result = Result()
+        event = self.release.event()
+        for rnd in range(first, self.cfg.rounds + 1):
+            t_round = time.time()
+            if self.cfg.private:
+                if self.ledger.would_exceed({SERVER_SCOPE: event}):
+                    log(WARNING, "Budget: round %d would exceed epsilon %s; stopping", rnd,
+                        self.cfg.target_epsilon)
+                    self.status = "budget-exhausted"
+                    break
+                self.ledger.record_round(rnd, {SERVER_SCOPE: event}, note="noisy mean")
+            messages = list(self.configure_train(rnd, self._mean_record(), ConfigRecord(), grid))
+            asked = {m.metadata.dst_node_id: set(m.content[CONFIG][TASKS]) for m in messages}
+            arrays, train_metrics = self.aggregate_train(rnd, grid.send_and_receive(messages, timeout=timeout), asked)
+            result.train_metrics_clientapp[rnd] = train_metrics
+            metrics = self.aggregate_evaluate(rnd, grid.send_and_receive(
+                self.configure_evaluate(rnd, arrays, ConfigRecord(), grid), timeout=timeout))
+            eps = self.ledger.epsilon() if self.cfg.private else math.inf
+            row = {"round": rnd, "tasks": int(train_metrics["tasks"]), "epsilon": eps,
+                   "seconds": time.time() - t_round}
+            row.update({k: float(metrics[k]) for k in ("excess", "loss", "accuracy")} if metrics else {})
+            self.history.append(row)
+            log(INFO, "[round %d/%d] personalized: accuracy %.4f, test loss %.4f, excess loss %.4g | "
+                "%d tasks sent | epsilon %.4f (target %s) at delta %.3g | %.1fs", rnd, self.cfg.rounds,
+                row.get("accuracy", math.nan), row.get("loss", math.nan), row.get("excess", math.nan),
+                row["tasks"], eps, self.cfg.target_epsilon, self.cfg.delta, row["seconds"])
+            self._save(time.time() - t0)
+        if self.status == "running":
+            self.status = "completed"
+        result.arrays = self._mean_record()
+        self._save(time.time() - t0)
+        return result
+
+    def _maybe_resume(self) -> int:
+        if not (self.checkpoint and self.resume and self.checkpoint.resumable()):
+            return 1
+        arrays, ledger, history, _ = self.checkpoint.load({MEAN: None})
+        self.mean = arrays[MEAN].numpy()
+        self.ledger, self.history = ledger, history
+        done = int(history[-1]["round"]) if history else 0
+        log(INFO, "Resuming after round %d: epsilon %.4f already spent", done, ledger.epsilon())
+        return done + 1
+
+    def results(self, wall_seconds: float = float("nan")) -> dict:
+        last = self.history[-1] if self.history else {}
+        exact = (self.release.epsilon(self.cfg.rounds, self.cfg.delta, self.cfg.accountant, exact=True)
+                 if self.cfg.private else math.inf)
+        return {"method": "dp-mtl" if self.cfg.private else "mtl-nonprivate",
+                "final": {k: last.get(k) for k in ("accuracy", "loss", "excess")},
+                "sigma": self.release.sigma, "sensitivity": self.release.sensitivity,
+                "exact_epsilon_of_noise": exact, "calibration": self.calibration_report(),
+                "dropped": self.dropped, "wall_seconds": wall_seconds, "session": "dp-mtl"}
+
+    def _save(self, wall_seconds: float) -> None:
+        if self.checkpoint is None:
+            return
+        self.checkpoint.save(self._mean_record(), self.ledger, self.history,
+                             self.release.noise_multiplier, self.status, self.results(wall_seconds))
+        if self.status != "running":
+            log(INFO, "Finished (%s): results in %s", self.status, self.checkpoint.directory)
+
+
+__all__ = ["DPMeanRegularizedMTL", "parse_task_key", "task_key"]
