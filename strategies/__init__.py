@@ -4,5 +4,6 @@ from .dp_mtl import DPMeanRegularizedMTL
 from .joint_dp import JointDP, load_results
 from .priv_altmin import PrivAltMin
 from .validation import validate_replies
+from .winsorized_dp import DifferentialPrivacyWinsorizedMean
 
-__all__ = ["DPMeanRegularizedMTL", "JointDP", "PrivAltMin", "load_results", "validate_replies"]
+__all__ = ["DPMeanRegularizedMTL", "DifferentialPrivacyWinsorizedMean", "JointDP", "PrivAltMin", "load_results", "validate_replies"]
