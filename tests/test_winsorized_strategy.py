@@ -114,3 +114,24 @@ def test_budget_exhaustion_stops_before_the_release():
     with pytest.raises(PrivacyBudgetExhausted):
         _round(strategy, grid)
     assert ledger.epsilon() == 0.0
+
+
+def test_user_level_dp_sgd_charges_every_step_and_learns_from_concentrated_users():
+    from flwr_jdp.mtl.models import LinearModel
+    from flwr_jdp.training.user_level_sgd import UserData, user_level_dp_sgd
+
+    rng = np.random.default_rng(0)
+    w_star = np.array([0.6, -0.8])
+    users = []
+    for _ in range(400):
+        x = rng.standard_normal((200, 2))
+        users.append(UserData(x, x @ w_star + 0.1 * rng.standard_normal(200)))
+    model = LinearModel("squared", 2)
+    est = WinsorizedMean(bound=3.0, tau=0.5, range_noise=1.0, mean_noise=1.0)
+    w, event = user_level_dp_sgd(model, users, steps=15, lr=0.5, estimator=est, rng=np.random.default_rng(1))
+    assert event == dpa.SelfComposedDpEvent(est.event(), 15)
+    assert np.linalg.norm(w - w_star) < 0.1
+    w_c, event_c = user_level_dp_sgd(model, users, steps=15, lr=0.5, estimator=None,
+                                     rng=np.random.default_rng(1), clip=3.0, noise_multiplier=1.0)
+    assert event_c == dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.0), 15)
+    assert np.linalg.norm(w_c - w_star) < 0.1
