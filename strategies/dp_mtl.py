@@ -28,8 +28,11 @@ A reply that is an error, lacks a record, names a task that was not asked (or
 twice), or carries a model of the wrong shape, non-finite, or outside the ball
 is dropped with a logged reason: that task is then absent from the sum, which
 the sensitivity covers. Results, ledger and the current mean are written after
-every round (``results-dir``); a restarted server with ``resume`` continues from
-the saved round and the epsilon it had spent.
+every round (``results-dir``): the ledger right after each charge, the new mean
+before it is sent to anyone. A restarted server with ``resume`` continues after
+the last round whose mean it had computed, with that mean and the epsilon it had
+spent; a round that was charged but crashed before its mean existed released
+nothing, so its charge covers its rerun.
 """
 
 from __future__ import annotations
@@ -233,26 +236,32 @@ class DPMeanRegularizedMTL(Strategy):
         self.discover(grid, timeout)
         result = Result()
         event = self.release.event()
+        charged = {int(r["round"]) for r in self.ledger.rounds}
         for rnd in range(first, self.cfg.rounds + 1):
             t_round = time.time()
-            if self.cfg.private:
+            if self.cfg.private and rnd not in charged:
+                # A round charged before a crash, whose mean was never computed, released
+                # nothing: its charge stands and it is not charged again.
                 if self.ledger.would_exceed({SERVER_SCOPE: event}):
                     log(WARNING, "Budget: round %d would exceed epsilon %s; stopping", rnd,
                         self.cfg.target_epsilon)
                     self.status = "budget-exhausted"
                     break
                 self.ledger.record_round(rnd, {SERVER_SCOPE: event}, note="noisy mean")
+                if self.checkpoint is not None:  # on disk before anything is released
+                    self.ledger.save(self.checkpoint.ledger_path)
             messages = list(self.configure_train(rnd, self._mean_record(), ConfigRecord(), grid))
             asked = {m.metadata.dst_node_id: set(m.content[CONFIG][TASKS]) for m in messages}
             arrays, train_metrics = self.aggregate_train(rnd, grid.send_and_receive(messages, timeout=timeout), asked)
             result.train_metrics_clientapp[rnd] = train_metrics
+            eps = self.ledger.epsilon() if self.cfg.private else math.inf
+            row = {"round": rnd, "tasks": int(train_metrics["tasks"]), "epsilon": eps}
+            self.history.append(row)
+            self._save(time.time() - t0)  # the new mean is on disk before it is sent anywhere
             metrics = self.aggregate_evaluate(rnd, grid.send_and_receive(
                 self.configure_evaluate(rnd, arrays, ConfigRecord(), grid), timeout=timeout))
-            eps = self.ledger.epsilon() if self.cfg.private else math.inf
-            row = {"round": rnd, "tasks": int(train_metrics["tasks"]), "epsilon": eps,
-                   "seconds": time.time() - t_round}
+            row["seconds"] = time.time() - t_round
             row.update({k: float(metrics[k]) for k in ("excess", "loss", "accuracy")} if metrics else {})
-            self.history.append(row)
             log(INFO, "[round %d/%d] personalized: accuracy %.4f, test loss %.4f, excess loss %.4g | "
                 "%d tasks sent | epsilon %.4f (target %s) at delta %.3g | %.1fs", rnd, self.cfg.rounds,
                 row.get("accuracy", math.nan), row.get("loss", math.nan), row.get("excess", math.nan),

@@ -240,3 +240,37 @@ def test_task_round_is_the_local_pgd_of_the_config():
     cfg = MTLConfig(radius=0.5, local_steps=3, lr=0.2, lam=2.0)
     w = task_round(np.zeros(3), np.ones(3), task, spec.model(), cfg)
     assert np.allclose(w, local_pgd(np.zeros(3), np.ones(3), task, spec.model(), 2.0, 0.2, 3, 0.5))
+
+
+@pytest.mark.parametrize("phase", ["train", "evaluate"])
+def test_a_restarted_server_resumes_with_the_epsilon_it_had_spent(tmp_path, phase):
+    from flwr_jdp.apps.mtl_app import client
+    from flwr_jdp.strategies import DPMeanRegularizedMTL
+
+    from flwr_jdp.inprocess import InProcessGrid
+
+    rc = _sim_config(tmp_path, rounds=4)
+    source, cfg, extras = parse_mtl_config(rc)
+
+    def crash_in_round_3(instruction, reply):  # noqa: ANN001, ANN202
+        if instruction.metadata.message_type == phase and instruction.content["config"]["round"] == 3:
+            raise RuntimeError("server killed")
+        return reply
+
+    def strategy():  # noqa: ANN202
+        return DPMeanRegularizedMTL(source.num_tasks, source.model().num_params, cfg, extras["results-dir"],
+                                    noise_seed=4, run_config=rc, resume=True)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        strategy().start(InProcessGrid(client, 2, rc, fault=crash_in_round_3))
+    on_disk = json.loads((tmp_path / "res" / "ledger.json").read_text())
+    assert [r["round"] for r in on_disk["rounds"]] == [1, 2, 3]  # round 3 was charged before its release
+    saved = json.loads((tmp_path / "res" / "results.json").read_text())["history"]
+    assert [h["round"] for h in saved] == ([1, 2] if phase == "train" else [1, 2, 3])
+    resumed = strategy()
+    resumed.start(InProcessGrid(client, 2, rc))
+    res = json.loads((tmp_path / "res" / "results.json").read_text())
+    assert res["status"] == "completed" and [h["round"] for h in res["history"]] == [1, 2, 3, 4]
+    ledger = json.loads((tmp_path / "res" / "ledger.json").read_text())
+    assert [r["round"] for r in ledger["rounds"]] == [1, 2, 3, 4]  # its mean never existed: charged once
+    assert res["epsilon"] == pytest.approx(resumed.release.epsilon(4, cfg.delta)) and res["epsilon"] <= 3.0
