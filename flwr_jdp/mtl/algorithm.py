@@ -37,9 +37,9 @@ class MTLConfig:
     radius: float = 2.0
     rounds: int = 10
     local_steps: int = 1
-    lr: float = 0.5
-    finetune_steps: int = 20
-    finetune_lr: float = 0.5
+    lr: float = 0.1
+    finetune_steps: int = 50
+    finetune_lr: float = 0.2
     target_epsilon: float = 1.0
     delta: float = 1e-5
     calibration: str = "tight"

@@ -37,7 +37,7 @@ class TaskSource:
 
     dataset: str = "synthetic"
     num_tasks: int = 100
-    samples_per_task: int = 20
+    samples_per_task: int = 50
     dim: int = 20
     kind: str = "squared"
     mean_norm: float = 1.0

@@ -45,7 +45,7 @@ class SyntheticSpec:
     """``num_tasks`` related regression tasks (see module docstring)."""
 
     num_tasks: int = 100
-    samples_per_task: int = 20
+    samples_per_task: int = 50
     dim: int = 20
     kind: str = "squared"
     mean_norm: float = 1.0
