@@ -62,6 +62,13 @@ def _hosted(context: Context) -> list[int]:
     return hosted_owners(source.num_tasks, pid, parts)
 
 
+def _hosted_tasks(context: Context):  # noqa: ANN202
+    """This node's tasks, built once per process (the hosted set is stable, so the
+    per-process cache is hit every round, whatever subset is sampled)."""
+    source, _, _ = parse_mtl_config(context.run_config)
+    return {t.task_id: t for t in source.tasks(tuple(_hosted(context)))}
+
+
 def _load_w(context: Context, task_id: int, num_params: int) -> np.ndarray:
     rec = context.state.get(STATE_PREFIX + str(task_id))
     if rec is None:
@@ -85,11 +92,11 @@ def train(msg: Message, context: Context) -> Message:
     with the projected ``w_k``; keep them in ``context.state``."""
     source, cfg, _ = parse_mtl_config(context.run_config)
     model = source.model()
-    hosted = set(_hosted(context))
+    hosted = _hosted_tasks(context)
     wanted = [int(k) for k in msg.content[CONFIG].get(TASKS, []) if int(k) in hosted]
     mean = _mean(msg)
     out = {}
-    for task in source.tasks(tuple(wanted)):
+    for task in (hosted[k] for k in wanted):
         w = task_round(_load_w(context, task.task_id, model.num_params), mean, task, model, cfg)
         context.state[STATE_PREFIX + str(task.task_id)] = ArrayRecord({"w": Array(w)})
         out[task_key(task.task_id)] = Array(np.ascontiguousarray(w, dtype=np.float64))
@@ -106,7 +113,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     mean = _mean(msg)
     sums = {"excess-sum": 0.0, "loss-sum": 0.0, "accuracy-sum": 0.0,
             "excess-count": 0, "loss-count": 0, "accuracy-count": 0}
-    for task in source.tasks(tuple(_hosted(context))):
+    for task in _hosted_tasks(context).values():
         row = evaluate_task(_load_w(context, task.task_id, model.num_params), mean, task, model, cfg)
         for key, value in row.items():
             if np.isfinite(value):

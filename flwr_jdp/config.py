@@ -199,3 +199,41 @@ def validate(cfg: JobConfig) -> None:
             "run-config key 'fraction-train' must be 1.0 unless privacy-unit='owner' "
             f"(owner sampling amplifies only owner-level privacy), got {cfg.fraction_train!r}"
         )
+
+
+# ------------------------------------------------ other apps' dataclass configs
+def coerce_value(key: str, value: Any, default: Any) -> Any:
+    """``value`` as the type of ``default`` (bool, str, int or float), or a
+    :class:`ConfigError` naming ``key``. Booleans accept ``true``/``false`` strings."""
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false"):
+                    raise ValueError
+                return value.lower() == "true"
+            return bool(value)
+        if isinstance(default, str):
+            return str(value)
+        if isinstance(default, int):
+            if isinstance(value, bool) or float(value) != int(float(value)):
+                raise ValueError
+            return int(float(value))
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"run-config key '{key}' must be a {type(default).__name__}, got {value!r}") from None
+
+
+def build_from_run_config(cls: type, keymap: dict[str, str], run_config: dict[str, Any]) -> Any:
+    """Instantiate the frozen dataclass ``cls`` from the run-config keys of
+    ``keymap`` (run-config key -> field name; absent keys keep their defaults). A
+    ``ValueError`` from ``cls`` whose message starts with a key becomes a
+    :class:`ConfigError` naming that key."""
+    defaults = {f.name: f.default for f in fields(cls)}
+    kwargs = {name: coerce_value(key, run_config[key], defaults[name])
+              for key, name in keymap.items() if key in run_config}
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        msg = str(err)
+        key = next((k for k in sorted(keymap, key=len, reverse=True) if msg.startswith(k)), None)
+        raise ConfigError(f"run-config key '{key}': {msg}" if key else msg) from None

@@ -6,8 +6,8 @@ Setting: n = 2,000 users of one linear-regression task in d = 8 dimensions
 20 full-batch steps of size 0.5 from w = 0; user level, replace-one, delta = 1e-5,
 epsilon in {1, 4}, both methods calibrated to the same epsilon over the 20 steps
 (PLD). Clipping norm B = 3 for the baseline and range bound B = 3 for the
-winsorized estimator (a gradient's norm at w = 0 is about ||w*|| sqrt(1 + d/m)
-... plus noise; 3 covers it); its concentration radius is
+winsorized estimator (a per-record gradient ``x (x.w - y)`` has norm about
+``sqrt(d) |y|``, about 3 here); its concentration radius is
 ``tau = 3 (1 + sqrt(2 log(2n/beta))) / sqrt(m)`` (Corollary 1's 1/sqrt(m), fixed a
 priori, beta = 0.01), and a quarter of its budget goes to the range step.
 Error: ``||w - w*||`` averaged over 5 noise seeds (non-private: the same steps
@@ -27,8 +27,8 @@ import dp_accounting as dpa
 import numpy as np
 
 from flwr_jdp.mtl.models import LinearModel
-from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.calibration import calibrate
+from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.winsorized import WinsorizedMean
 from flwr_jdp.training.user_level_sgd import UserData, average_gradients, user_level_dp_sgd
 
@@ -75,7 +75,9 @@ def main() -> None:
                     est = wins(s) if method == "winsorized" else None
                     w, event = user_level_dp_sgd(model, users, STEPS, LR, est, rng, clip=BOUND, noise_multiplier=z)
                     errs.append(float(np.linalg.norm(w - w_star)))
-                    eps_spent = epsilon(event, DELTA)
+                    ledger = PrivacyLedger(delta=DELTA, unit="user")
+                    ledger.record(SERVER_SCOPE, event)
+                    eps_spent = ledger.epsilon()
                 rows.append({"m": m, "epsilon": eps, "method": method, "error": float(np.mean(errs)),
                              "error_nonprivate": nonpriv, "epsilon_spent": eps_spent,
                              "tau": tau if method == "winsorized" else "", "n": N, "d": D, "steps": STEPS})

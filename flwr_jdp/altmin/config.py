@@ -14,7 +14,7 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from flwr_jdp.config import ConfigError
+from flwr_jdp.config import ConfigError, build_from_run_config
 
 from .algorithm import AltMinConfig
 from .problem import ProblemSpec
@@ -30,35 +30,8 @@ def _algorithm_keys() -> dict[str, str]:
 
 def parse_altmin_config(run_config: dict[str, Any]) -> tuple[ProblemSpec, AltMinConfig, dict[str, Any]]:
     """``(problem, algorithm config, extras)`` from a Flower run config."""
-    def build(cls, keymap):  # noqa: ANN001, ANN202
-        kwargs = {}
-        defaults = {f.name: f.default for f in fields(cls)}
-        for key, name in keymap.items():
-            if key not in run_config:
-                continue
-            value = run_config[key]
-            default = defaults[name]
-            try:
-                if isinstance(default, bool) or isinstance(default, str):
-                    value = type(default)(value)
-                elif isinstance(default, int):
-                    if float(value) != int(float(value)):
-                        raise ValueError
-                    value = int(float(value))
-                else:
-                    value = float(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"run-config key '{key}' must be a {type(default).__name__}, got {value!r}") from None
-            kwargs[name] = value
-        try:
-            return cls(**kwargs)
-        except ValueError as err:
-            msg = str(err)
-            key = next((k for k in keymap if msg.startswith(k)), None)
-            raise ConfigError(f"run-config key '{key}': {msg}" if key else msg) from None
-
-    spec = build(ProblemSpec, PROBLEM_KEYS)
-    cfg = build(AltMinConfig, _algorithm_keys())
+    spec = build_from_run_config(ProblemSpec, PROBLEM_KEYS, run_config)
+    cfg = build_from_run_config(AltMinConfig, _algorithm_keys(), run_config)
     extras = {k: run_config.get(k, v) for k, v in EXTRA_DEFAULTS.items()}
     try:
         extras["noise-seed"] = int(extras["noise-seed"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from flwr_jdp.config import ConfigError
+from flwr_jdp.config import ConfigError, build_from_run_config, coerce_value
 
 from .algorithm import MTLConfig
 from .models import LinearModel
@@ -87,46 +87,21 @@ class TaskSource:
 EXTRA_DEFAULTS = {"results-dir": "results/mtl-run", "noise-seed": -1}
 
 
-def _coerce(key: str, value: Any, default: Any) -> Any:
-    try:
-        if isinstance(default, bool) or isinstance(default, str):
-            return type(default)(value)
-        if isinstance(default, int):
-            if float(value) != int(float(value)):
-                raise ValueError
-            return int(float(value))
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"run-config key '{key}' must be a {type(default).__name__}, got {value!r}") from None
-
-
-def _build(cls, keymap: dict[str, str], run_config: dict[str, Any]):  # noqa: ANN001, ANN202
-    defaults = {f.name: f.default for f in fields(cls)}
-    kwargs = {name: _coerce(key, run_config[key], defaults[name])
-              for key, name in keymap.items() if key in run_config}
-    try:
-        return cls(**kwargs)
-    except ValueError as err:
-        msg = str(err)
-        key = next((k for k in sorted(keymap, key=len, reverse=True) if msg.startswith(k)), None)
-        raise ConfigError(f"run-config key '{key}': {msg}" if key else msg) from None
-
-
 def _keys(cls) -> dict[str, str]:  # noqa: ANN001
     return {("lambda" if f.name == "lam" else f.name.replace("_", "-")): f.name for f in fields(cls)}
 
 
 def parse_mtl_config(run_config: dict[str, Any]) -> tuple[TaskSource, MTLConfig, dict[str, Any]]:
     """``(task source, Algorithm 1 config, extras)`` from a Flower run config."""
-    source = _build(TaskSource, _keys(TaskSource), run_config)
+    source = build_from_run_config(TaskSource, _keys(TaskSource), run_config)
     if source.dataset == "synthetic":
         try:
             source.synthetic_spec()
         except ValueError as err:
             raise ConfigError(f"run-config key {err}") from None
-    cfg = _build(MTLConfig, _keys(MTLConfig), run_config)
+    cfg = build_from_run_config(MTLConfig, _keys(MTLConfig), run_config)
     extras = {k: run_config.get(k, v) for k, v in EXTRA_DEFAULTS.items()}
-    extras["noise-seed"] = _coerce("noise-seed", extras["noise-seed"], -1)
+    extras["noise-seed"] = coerce_value("noise-seed", extras["noise-seed"], -1)
     extras["results-dir"] = str(extras["results-dir"])
     return source, cfg, extras
 
