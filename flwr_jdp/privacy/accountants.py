@@ -115,6 +115,12 @@ def _base_pld(event_json: str, relation: str = "add-remove"):
     return acc._pld  # noqa: SLF001 - the composed PrivacyLossDistribution
 
 
+@functools.lru_cache(maxsize=256)
+def _self_composed_pld(event_json: str, count: int, relation: str = "add-remove"):
+    pld = _base_pld(event_json, relation)
+    return pld.self_compose(count) if count > 1 else pld
+
+
 @functools.lru_cache(maxsize=4096)
 def _cached_epsilon(event_json: str, delta: float, accountant: str,
                     relation: str = "add-remove") -> float:
@@ -123,8 +129,7 @@ def _cached_epsilon(event_json: str, delta: float, accountant: str,
         return rdp_epsilon(event, delta)
     total = None
     for base, count in sorted(base_counts(event).items()):
-        pld = _base_pld(base, relation)
-        pld = pld.self_compose(count) if count > 1 else pld
+        pld = _self_composed_pld(base, count, relation)
         total = pld if total is None else total.compose(pld)
     if total is None:
         return 0.0

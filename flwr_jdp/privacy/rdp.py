@@ -10,12 +10,16 @@ steps, delta=1e-5) while still supporting every event dp-accounting knows.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 
 import dp_accounting as dpa
 import numpy as np
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+from . import events as ev
 
 #: Orders: Opacus's defaults united with dp-accounting's defaults.
 ORDERS = sorted(
@@ -47,12 +51,23 @@ def rdp_vector(event: dpa.DpEvent, orders: list[float] | None = None) -> np.ndar
     if isinstance(event, dpa.NoOpDpEvent):
         return np.zeros_like(orders_arr)
     if isinstance(event, dpa.SelfComposedDpEvent):
-        return event.count * rdp_vector(event.event, list(orders_arr))
+        return event.count * rdp_vector(event.event, orders)
     if isinstance(event, dpa.ComposedDpEvent):
         total = np.zeros_like(orders_arr)
         for e in event.events:
-            total = total + rdp_vector(e, list(orders_arr))
+            total = total + rdp_vector(e, orders)
         return total
+    if orders is None:  # the default orders: base events are computed once per process
+        return _base_rdp(ev.canonical(event)).copy()
+    return _base_rdp_at(event, orders_arr)
+
+
+@functools.lru_cache(maxsize=4096)
+def _base_rdp(event_json: str) -> np.ndarray:
+    return _base_rdp_at(ev.from_dict(json.loads(event_json)), np.asarray(ORDERS, dtype=float))
+
+
+def _base_rdp_at(event: dpa.DpEvent, orders_arr: np.ndarray) -> np.ndarray:
     acc = RdpAccountant(list(orders_arr))
     acc.compose(event)
     vec = np.asarray(acc._rdp, dtype=float)  # noqa: SLF001 - documented attribute
