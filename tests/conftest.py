@@ -25,3 +25,17 @@ def run_config(tmp_path):
 
 def pytest_configure(config):
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture
+def femnist_dir():
+    """The FEMNIST folder: ``$FLWR_JDP_DATA_DIR/femnist`` or ``../shared/data/femnist``
+    from the repository root; tests that need it are skipped without it."""
+    from pathlib import Path
+
+    roots = [os.environ.get("FLWR_JDP_DATA_DIR", ""), str(Path(__file__).resolve().parents[2] / "shared" / "data")]
+    for root in filter(None, roots):
+        path = Path(root) / "femnist"
+        if (path / "femnist_leaf_subset_300writers.npz").is_file():
+            return path
+    pytest.skip("FEMNIST data not found (set FLWR_JDP_DATA_DIR)")

@@ -1,0 +1,118 @@
+"""The subject-level DP Flower App: ``server`` (ServerApp) and ``client`` (ClientApp).
+
+A SuperNode with ``partition-id = p`` of ``num-partitions = P`` hosts silos
+``p, p + P, ...`` (FEMNIST writers as subjects, spread over ``num-silos`` silos by
+``alpha``; data built once per process). Each silo trains the received model with
+the configured mechanism (:mod:`flwr_jdp.training.subject_level`) and replies with
+its noised model. Run with ``flwr run examples/subject_dp`` or
+``examples/subject_dp/femnist.py`` (the same apps on an in-process grid).
+"""
+
+from __future__ import annotations
+
+from logging import ERROR
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+from flwr_jdp.strategies.subject_dp import (
+    CONFIG,
+    MODEL,
+    SETUP,
+    SILOS,
+    STATS,
+    SubjectLevelFedAvg,
+    load_arrays,
+    model_arrays,
+    silo_key,
+)
+
+from flwr_jdp.config import ConfigError
+from flwr_jdp.models.leaf_cnn import build_leaf_cnn
+from flwr_jdp.privacy.mechanisms import torch_generator
+from flwr_jdp.protocol import hosted_owners
+from flwr_jdp.subject import silo_data as sd
+from flwr_jdp.subject.config import parse_subject_config
+from flwr_jdp.subject.group_privacy import group_noise_multiplier
+from flwr_jdp.training.plain import evaluate
+from flwr_jdp.training.subject_level import BatchStats, SiloPlan, train_silo_round
+
+server = ServerApp()
+client = ClientApp()
+
+
+def test_evaluator(cfg):  # noqa: ANN001, ANN201
+    """Accuracy of the global model on the FEMNIST test set (public data)."""
+    ds, _, _ = sd.dataset(cfg)
+
+    def fn(model: torch.nn.Module) -> dict:
+        loss, acc = evaluate(model, ds.x_test, ds.y_test)
+        return {"accuracy": float(acc), "loss": float(loss)}
+    return fn
+
+
+@server.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run subject-level DP training as configured by the run config."""
+    try:
+        cfg = parse_subject_config(context.run_config)
+    except ConfigError as err:
+        log(ERROR, "Invalid configuration: %s", err)
+        raise
+    torch.set_num_threads(1)
+    strategy = SubjectLevelFedAvg(cfg, build_leaf_cnn(seed=cfg.model_seed), test_evaluator(cfg),
+                                  dict(context.run_config))
+    strategy.start(grid)
+
+
+def _hosted(context: Context, num_silos: int) -> list[int]:
+    pid = int(context.node_config.get("partition-id", 0))
+    parts = int(context.node_config.get("num-partitions", 1))
+    return hosted_owners(num_silos, pid, parts)
+
+
+@client.query()
+def setup(msg: Message, context: Context) -> Message:
+    """List this node's silos with their per-subject record counts (accounting metadata)."""
+    cfg = parse_subject_config(context.run_config)
+    silos = _hosted(context, cfg.num_silos)
+    content = RecordDict({SETUP: ConfigRecord({SILOS: silos})})
+    for i in silos:
+        subjects, counts = sd.local_counts(cfg, i)
+        content[silo_key(i)] = ArrayRecord({"subjects": Array(subjects), "counts": Array(counts)})
+    return Message(content, reply_to=msg)
+
+
+@client.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train each requested silo from the global model with its mechanism."""
+    torch.set_num_threads(1)
+    cfg = parse_subject_config(context.run_config)
+    conf = msg.content[CONFIG]
+    arrays = {k: v.numpy() for k, v in msg.content[MODEL].items()}
+    hosted = set(_hosted(context, cfg.num_silos))
+    rnd = int(conf["round"])
+    content = RecordDict()
+    stats = BatchStats()
+    for i, q in zip(conf[SILOS], conf["sample-rates"], strict=True):
+        if int(i) not in hosted:
+            continue
+        steps = int(conf["calibration-steps"])
+
+        def group_noise(z: int, q: float = float(q), steps: int = steps) -> float:
+            return group_noise_multiplier(z, cfg.target_epsilon, cfg.delta, q, steps)
+        plan = SiloPlan(cfg.method, float(q), cfg.local_steps, cfg.learning_rate, cfg.clipping_norm,
+                        float(conf["noise-multiplier"]),
+                        group_noise if cfg.method == "local-group-dp" else None)
+        model = build_leaf_cnn(seed=cfg.model_seed)
+        load_arrays(model, arrays)
+        seed = None if cfg.noise_seed < 0 else cfg.noise_seed * 1_000_003 + rnd * 1009 + int(i)
+        train_silo_round(model, sd.silo_data(cfg, int(i)), plan, torch_generator(seed), stats)
+        content[silo_key(int(i))] = ArrayRecord({k: Array(v) for k, v in model_arrays(model).items()})
+    content[STATS] = ArrayRecord({"group_sizes": Array(np.asarray(stats.group_sizes, dtype=np.int64)),
+                                  "distinct_subjects": Array(np.asarray(stats.distinct_subjects,
+                                                                        dtype=np.int64))})
+    return Message(content, reply_to=msg)

@@ -1,0 +1,82 @@
+"""Run configuration of a subject-level DP run (Flower run-config keys)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import ConfigError, build_from_run_config
+from ..privacy.horizontal import ACCOUNTING
+from ..training.subject_level import METHODS
+
+INCLUSION = ("subject", "record")
+
+
+@dataclass(frozen=True)
+class SubjectDPConfig:
+    """Validated configuration (field ``x_y`` is run-config key ``x-y``)."""
+
+    method: str = "higradavg-dp"
+    accounting: str = "exact"
+    inclusion: str = "subject"
+    target_epsilon: float = 4.0
+    delta: float = 1e-5
+    budget_rounds: int = 100
+    batch_size: int = 256
+    local_steps: int = 2
+    learning_rate: float = 0.2
+    clipping_norm: float = 1.0
+    noise_multiplier: float = 0.0
+    num_silos: int = 16
+    alpha: float = 1.0
+    assignment_seed: int = 0
+    data_dir: str = ""
+    max_writers: int = 0
+    validation_fraction: float = 0.1
+    model_seed: int = 0
+    noise_seed: int = -1
+    eval_every: int = 1
+    results_dir: str = "results/subject_dp/run"
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, key: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{key} must be {allowed}")
+        need(self.method in METHODS, "method", f"one of {METHODS}, got {self.method!r}")
+        need(self.accounting in ACCOUNTING, "accounting", f"one of {ACCOUNTING}, got {self.accounting!r}")
+        need(self.inclusion in INCLUSION, "inclusion", f"one of {INCLUSION}, got {self.inclusion!r}")
+        need(math.isfinite(self.target_epsilon) and self.target_epsilon > 0, "target-epsilon", "> 0")
+        need(0 < self.delta < 1, "delta", "in (0, 1)")
+        need(self.budget_rounds >= 1, "budget-rounds", ">= 1")
+        need(self.batch_size >= 1, "batch-size", ">= 1")
+        need(self.local_steps >= 1, "local-steps", ">= 1")
+        need(math.isfinite(self.learning_rate) and self.learning_rate > 0, "learning-rate", "> 0")
+        need(math.isfinite(self.clipping_norm) and self.clipping_norm > 0, "clipping-norm", "> 0")
+        need(math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0, "noise-multiplier",
+             ">= 0 (0: calibrate to target-epsilon)")
+        need(1 <= self.num_silos <= 1024, "num-silos", "in [1, 1024]")
+        need(math.isfinite(self.alpha) and self.alpha >= 1, "alpha", ">= 1 (1: uniform)")
+        need(0 <= self.validation_fraction < 1, "validation-fraction", "in [0, 1)")
+        need(self.eval_every >= 1, "eval-every", ">= 1")
+        need(not (self.method == "local-group-dp" and self.accounting == "exact"), "accounting",
+             "sqrt-rounds or scaled-steps for local-group-dp (its data-dependent noise has no exact account)")
+        need(not (self.inclusion == "record" and self.accounting == "exact"), "inclusion",
+             "'subject' with accounting = exact")
+
+    @property
+    def private(self) -> bool:
+        return self.method != "fedavg"
+
+
+KEYMAP = {f.replace("_", "-"): f for f in SubjectDPConfig.__dataclass_fields__}
+
+
+def parse_subject_config(run_config: dict) -> SubjectDPConfig:
+    """Build the config from a run config; unknown keys are ignored (they belong
+    to other apps), bad values raise :class:`ConfigError` naming the key."""
+    try:
+        return build_from_run_config(SubjectDPConfig, KEYMAP, run_config)
+    except ConfigError:
+        raise
+    except ValueError as err:  # pragma: no cover - build_from_run_config maps these
+        raise ConfigError(str(err)) from None

@@ -1,0 +1,101 @@
+"""The privacy plan of a subject-level run: noise multiplier, rounds, accounting.
+
+Computed once, by the server, before training, from the subject-to-silo counts:
+
+- ``higradavg-dp`` and ``user-ldp`` (per-step subject sensitivity ``C`` and ``2C``
+  with the noise scaled to it, see :mod:`flwr_jdp.training.subject_level`): each
+  silo's round is :class:`~flwr_jdp.privacy.horizontal.SiloRelease`. With
+  ``inclusion = subject`` (default) a subject with ``k`` records at a silo is
+  sampled at ``1 - (1-q)^k``; ``inclusion = record`` is the paper's accounting
+  (record rate ``q``), which under-accounts subjects with several records per
+  silo and is kept only to reproduce the paper; its true epsilon is reported.
+  ``accounting``: ``exact`` calibrates ``z`` to the maximum over subjects of the
+  composition across their silos; ``scaled-steps`` to the s-fold bound (paper
+  remedy b: the number of batches scaled by ``s``); ``sqrt-rounds`` to one silo
+  and trains ``floor(R / sqrt(s))`` rounds (paper remedy a, Theorem 4.2).
+- ``local-item-dp``: record-level DP-SGD calibrated per silo (records are at one
+  silo, so silos compose in parallel); unit = record, not subject.
+- ``local-group-dp``: ``sigma_Z`` from group privacy; ``scaled-steps`` or
+  ``sqrt-rounds`` define the budget's batch count and the rounds. Its epsilon is
+  the paper's claim (data-dependent noise; see :mod:`.group_privacy`).
+
+The plan's epsilons: ``epsilon`` is the exact subject-level epsilon of what is
+actually run (max over subjects, subject inclusion rates, PLD) for the methods
+that have one, ``epsilon_sfold`` the s-fold bound, ``epsilon_claimed`` what the
+accounting mode claims.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import dp_accounting as dpa
+import numpy as np
+
+from ..privacy.accountants import epsilon as event_epsilon
+from ..privacy.calibration import calibrate
+from ..privacy.horizontal import HorizontalAccountant, SiloRelease, sqrt_rounds
+from .config import SubjectDPConfig
+
+
+@dataclass(frozen=True)
+class SubjectPlan:
+    """Noise and rounds of a run, and the epsilons they give."""
+
+    noise_multiplier: float
+    rounds: int
+    sample_rates: tuple[float, ...]
+    calibration_steps: int  # batches per silo the noise was calibrated for
+    unit: str
+    epsilon: float
+    epsilon_sfold: float
+    epsilon_claimed: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sample_rates(records_per_silo: np.ndarray, batch_size: int) -> tuple[float, ...]:
+    return tuple(min(1.0, batch_size / max(1, int(n))) for n in records_per_silo)
+
+
+def releases(rates: tuple[float, ...], z: float, steps: int) -> list[SiloRelease]:
+    return [SiloRelease(q, z, steps) for q in rates]
+
+
+def _record_event(q: float, z: float, steps: int) -> dpa.DpEvent:
+    step = dpa.GaussianDpEvent(z)
+    if q < 1.0:
+        step = dpa.PoissonSampledDpEvent(q, step)
+    return dpa.SelfComposedDpEvent(step, int(steps))
+
+
+def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld") -> SubjectPlan:
+    """Calibrate (or take) the noise and fix the rounds for ``cfg`` on ``counts``."""
+    s = counts.shape[1]
+    rates = sample_rates(counts.sum(axis=0), cfg.batch_size)
+    R, steps = cfg.budget_rounds, cfg.local_steps
+    nan = float("nan")
+    if not cfg.private:
+        return SubjectPlan(0.0, R, rates, 0, "none", math.inf, math.inf, math.inf)
+    rounds = sqrt_rounds(R, s) if cfg.accounting == "sqrt-rounds" else R
+    cal_steps = steps * R * (s if cfg.accounting == "scaled-steps" else 1)
+    target, delta = cfg.target_epsilon, cfg.delta
+    if cfg.method == "local-item-dp":
+        z = cfg.noise_multiplier or calibrate(
+            target, delta, lambda z: [_record_event(q, z, steps * R) for q in rates], accountant)
+        eps = max(event_epsilon(_record_event(q, z, steps * R), delta, accountant) for q in rates)
+        return SubjectPlan(z, R, rates, steps * R, "record", eps, nan, target)
+    if cfg.method == "local-group-dp":
+        return SubjectPlan(0.0, rounds, rates, cal_steps, "subject (group DP, claimed)", nan, nan, target)
+    acc = HorizontalAccountant(counts, delta, accountant)
+    if cfg.noise_multiplier > 0:
+        z = cfg.noise_multiplier
+    elif cfg.inclusion == "record":  # the paper's accounting: record rate q per silo
+        z = calibrate(target, delta, lambda z: [_record_event(q, z, cal_steps) for q in rates], accountant)
+    else:
+        z = acc.calibrate(target, R, lambda z: releases(rates, z, steps), cfg.accounting)
+    rel = releases(rates, z, steps)
+    return SubjectPlan(z, rounds, rates, cal_steps, "subject", acc.epsilon(rel, rounds),
+                       acc.s_fold_epsilon(rel, rounds), target)

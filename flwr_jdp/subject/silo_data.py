@@ -1,0 +1,56 @@
+"""The silos of a run, built identically (and once per process) on every node
+from the run config: FEMNIST writers as subjects, records spread over the silos
+by :func:`flwr_jdp.subject.silos.assign_records`."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..data.femnist import SubjectDataset, load_femnist
+from ..training.subject_level import SiloData
+from .config import SubjectDPConfig
+from .silos import assign_records, subject_silo_counts
+
+
+@functools.lru_cache(maxsize=8)
+def _build(data_dir: str, max_writers: int, validation_fraction: float, num_silos: int, alpha: float,
+           seed: int) -> tuple[SubjectDataset, tuple[np.ndarray, np.ndarray], np.ndarray]:
+    ds = load_femnist(data_dir, max_writers)
+    val = (ds.x_train[:0], ds.y_train[:0])
+    if validation_fraction > 0:
+        ds, val = ds.validation_split(validation_fraction, seed)
+    silo = assign_records(ds.subject_train, num_silos, alpha, seed)
+    return ds, val, silo
+
+
+def dataset(cfg: SubjectDPConfig) -> tuple[SubjectDataset, tuple[np.ndarray, np.ndarray], np.ndarray]:
+    """(training data without the validation split, validation split, silo of each record)."""
+    return _build(cfg.data_dir, cfg.max_writers, cfg.validation_fraction, cfg.num_silos, cfg.alpha,
+                  cfg.assignment_seed)
+
+
+@functools.lru_cache(maxsize=64)
+def _silo(data_dir: str, max_writers: int, validation_fraction: float, num_silos: int, alpha: float,
+          seed: int, index: int) -> SiloData:
+    ds, _, silo = _build(data_dir, max_writers, validation_fraction, num_silos, alpha, seed)
+    rows = np.flatnonzero(silo == index)
+    return SiloData.from_numpy(ds.x_train[rows], ds.y_train[rows], ds.subject_train[rows])
+
+
+def silo_data(cfg: SubjectDPConfig, index: int) -> SiloData:
+    return _silo(cfg.data_dir, cfg.max_writers, cfg.validation_fraction, cfg.num_silos, cfg.alpha,
+                 cfg.assignment_seed, index)
+
+
+def local_counts(cfg: SubjectDPConfig, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """(subject ids, record counts) at silo ``index``: what the silo reports for
+    exact accounting."""
+    subjects, counts = np.unique(silo_data(cfg, index).subject.numpy(), return_counts=True)
+    return subjects.astype(np.int64), counts.astype(np.int64)
+
+
+def all_counts(cfg: SubjectDPConfig) -> np.ndarray:
+    ds, _, silo = dataset(cfg)
+    return subject_silo_counts(ds.subject_train, silo, ds.num_subjects, cfg.num_silos)

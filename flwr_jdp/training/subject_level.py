@@ -1,0 +1,190 @@
+"""One silo's local training round under each subject-level mechanism.
+
+Records are Poisson-sampled at rate ``q`` (expected batch ``B = q n``, a public
+denominator). Per step, with ``C`` the clipping norm and ``z`` the noise
+multiplier (always relative to the per-step sensitivity stated below):
+
+============== ================================================ ======================
+method          released gradient                               per-step sensitivity
+============== ================================================ ======================
+fedavg          mean batch gradient, no clipping, no noise        (no privacy)
+local-item-dp   (sum_r clip(g_r) + N(0, (zC)^2)) / B              C per *record*
+higradavg-dp    (sum_a mean_{r of a} clip(g_r) + N(0,(zC)^2)) / B  C per *subject*
+local-group-dp  (sum_r clip(g_r) + N(0, (sigma_Z C)^2)) / B       Z C per subject (group DP)
+user-ldp        clip(mean batch gradient) + N(0, (z 2C)^2)         2C per subject
+============== ================================================ ======================
+
+HiGradAvgDP (Algorithm 1) clips every record, averages the clipped gradients of
+each subject in the batch, and sums over subjects, so one subject moves the sum by
+at most ``C`` however many of its records were drawn. UserLDP (Algorithm 2) clips
+the whole batch gradient to ``C``; removing a subject replaces one clipped vector
+by another, so the sensitivity is ``2C`` (the paper says ``C``); the noise here is
+scaled to ``2C``. LocalGroupDP (Algorithm 3) reads the group size ``Z`` (largest
+number of records of one subject) off each batch and uses ``sigma_Z`` from
+:mod:`flwr_jdp.subject.group_privacy`.
+
+All parameters are shared in this setting (the silos' models are averaged). The
+noise comes from :class:`GaussianSumMechanism`, the object the accounting reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from opacus import GradSampleModule
+from torch import nn
+
+from ..privacy.mechanisms import GaussianSumMechanism, clip_coefficients
+from .dp_sgd import UnitBatch, clipped_unit_sum
+
+METHODS = ("fedavg", "local-item-dp", "higradavg-dp", "local-group-dp", "user-ldp")
+PER_SAMPLE = ("local-item-dp", "higradavg-dp", "local-group-dp")
+
+
+@dataclass(frozen=True)
+class SiloData:
+    """One silo's records and the subject of each."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    subject: torch.Tensor
+
+    @classmethod
+    def from_numpy(cls, x: np.ndarray, y: np.ndarray, subject: np.ndarray) -> SiloData:
+        return cls(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
+                   torch.from_numpy(np.asarray(y, dtype=np.int64)),
+                   torch.from_numpy(np.asarray(subject, dtype=np.int64)))
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True)
+class SiloPlan:
+    """What a silo does in one round (fixed by the server before the round)."""
+
+    method: str
+    sample_rate: float
+    steps: int
+    lr: float
+    clipping_norm: float = 1.0
+    noise_multiplier: float = 0.0
+    #: LocalGroupDP: group size Z -> sigma_Z (see :mod:`flwr_jdp.subject.group_privacy`)
+    group_noise: Callable[[int], float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not 0.0 < self.sample_rate <= 1.0:
+            raise ValueError(f"sample rate must be in (0, 1], got {self.sample_rate}")
+        if self.method == "local-group-dp" and self.group_noise is None:
+            raise ValueError("local-group-dp needs group_noise")
+
+
+@dataclass
+class BatchStats:
+    """Per-batch group size Z and number of distinct subjects (paper Figure 2 c, d)."""
+
+    group_sizes: list[int] = field(default_factory=list)
+    distinct_subjects: list[int] = field(default_factory=list)
+    noise_multipliers: list[float] = field(default_factory=list)
+
+
+def poisson_records(n: int, rate: float, generator: torch.Generator) -> torch.Tensor:
+    """Indices of a Poisson(``rate``) sample of ``n`` records."""
+    return torch.nonzero(torch.rand(n, generator=generator) < rate, as_tuple=False).flatten()
+
+
+def subject_batch(records: torch.Tensor, subjects: torch.Tensor) -> UnitBatch:
+    """The batch with subjects as units (for per-subject averaging)."""
+    _, inverse, counts = torch.unique(subjects[records], return_inverse=True, return_counts=True)
+    return UnitBatch(records, inverse, int(len(counts)))
+
+
+def record_batch(records: torch.Tensor) -> UnitBatch:
+    return UnitBatch(records, torch.arange(len(records)), len(records))
+
+
+def group_size(batch: UnitBatch) -> int:
+    """``Z``: the largest number of records of one subject in the batch (0 if empty)."""
+    if len(batch.records) == 0:
+        return 0
+    return int(torch.bincount(batch.units).max())
+
+
+def clipped_batch_gradient(grads: list[torch.Tensor], clipping_norm: float) -> list[torch.Tensor]:
+    """Clip the whole batch gradient (all parameters jointly) to ``clipping_norm``."""
+    norm = torch.sqrt(sum((g * g).sum() for g in grads))
+    factor = clip_coefficients(norm.reshape(1), clipping_norm)[0]
+    return [g * factor for g in grads]
+
+
+def _step(params: list[nn.Parameter], update: list[torch.Tensor], lr: float) -> None:
+    with torch.no_grad():
+        for p, g in zip(params, update, strict=True):
+            p.add_(g, alpha=-lr)
+
+
+def train_silo_round(model: nn.Module, data: SiloData, plan: SiloPlan, generator: torch.Generator,
+                     stats: BatchStats | None = None) -> float:
+    """Run ``plan.steps`` steps of ``plan.method`` on ``model`` in place; returns the
+    mean training loss (local diagnostics only, never sent)."""
+    stats = stats if stats is not None else BatchStats()
+    n = len(data)
+    expected = plan.sample_rate * n
+    net = GradSampleModule(model, loss_reduction="sum") if plan.method in PER_SAMPLE else model
+    params = [p for p in net.parameters() if p.requires_grad]
+    net.train()
+    losses = []
+    for _ in range(plan.steps):
+        records = poisson_records(n, plan.sample_rate, generator)
+        by_subject = subject_batch(records, data.subject)
+        stats.group_sizes.append(group_size(by_subject))
+        stats.distinct_subjects.append(by_subject.num_units)
+        for p in params:
+            p.grad = None
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+        if len(records):
+            out = net(data.x[records])
+            loss = F.cross_entropy(out, data.y[records], reduction="sum")
+            loss.backward()
+            losses.append(float(loss.detach()) / len(records))
+        update = _update(plan, params, records, by_subject, expected, generator, stats)
+        _step(params, update, plan.lr)
+    if isinstance(net, GradSampleModule):
+        for p in params:
+            p.grad_sample = None
+        net._close()  # noqa: SLF001 - removes the Opacus hooks
+    for p in params:
+        p.grad = None
+    return float(np.mean(losses)) if losses else float("nan")
+
+
+def _update(plan: SiloPlan, params: list[nn.Parameter], records: torch.Tensor, by_subject: UnitBatch,
+            expected: float, generator: torch.Generator, stats: BatchStats) -> list[torch.Tensor]:
+    empty = len(records) == 0
+    zeros = [torch.zeros_like(p) for p in params]
+    if plan.method == "fedavg":
+        return zeros if empty else [p.grad / len(records) for p in params]
+    if plan.method == "user-ldp":
+        grads = zeros if empty else clipped_batch_gradient([p.grad / len(records) for p in params],
+                                                           plan.clipping_norm)
+        mech = GaussianSumMechanism(plan.noise_multiplier, 2.0 * plan.clipping_norm, 1.0)
+        stats.noise_multipliers.append(plan.noise_multiplier)
+        return mech.release_torch(grads, generator)
+    if plan.method == "higradavg-dp":
+        sums = zeros if empty else clipped_unit_sum(params, by_subject, plan.clipping_norm)
+        z = plan.noise_multiplier
+    else:
+        sums = zeros if empty else clipped_unit_sum(params, record_batch(records), plan.clipping_norm)
+        z = plan.noise_multiplier
+        if plan.method == "local-group-dp":
+            z = plan.group_noise(max(1, group_size(by_subject)))
+    stats.noise_multipliers.append(z)
+    mech = GaussianSumMechanism(z, plan.clipping_norm, expected)
+    return mech.release_torch(sums, generator)

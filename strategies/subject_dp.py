@@ -1,0 +1,227 @@
+"""SubjectLevelFedAvg: subject-level DP across silos (Marathe et al.) as a Flower
+ServerApp strategy, with horizontal-composition-aware accounting.
+
+Privacy guarantee (``higradavg-dp``, ``user-ldp``): subject-level (epsilon, delta)-DP
+of everything the server and other silos see, the unit being one data subject with
+all its records at every silo (add/remove). Each silo noises its own model updates
+(local DP, honest-but-curious server); the server averages the silos' models
+(``theta = mean_i theta_i``, post-processing). The ledger (unit ``subject``) holds
+one scope per Pareto-maximal subject of the subject-to-silo map, charged each round
+*before* the silos train with the composition of that subject's events at every
+silo that holds it; its epsilon is the exact maximum over subjects.
+``local-item-dp`` records one scope per silo (record unit: silos hold disjoint
+records); ``local-group-dp`` carries the paper's claimed budget only (its noise is
+data-dependent, see :mod:`flwr_jdp.subject.group_privacy`). The plan (noise,
+rounds) is fixed before round 1 (:func:`flwr_jdp.subject.plan.make_plan`).
+
+Metadata not covered by the guarantee: each silo's per-subject record counts (sent
+once for exact accounting; a deployment without a shared subject id space uses
+``accounting = scaled-steps``, which needs only each silo's largest count), and
+batch statistics (group size ``Z`` and distinct subjects per batch) reported for
+the paper's Figure 2.
+
+Rounds: ``query`` once (each node lists its silos and their counts), then per round
+``train`` with the global model and the plan; a reply with missing silos, wrong
+shapes or non-finite values is dropped with a logged reason (that silo is absent
+from the average). Model, ledger and results are written after every round.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO, WARNING
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
+from flwr_jdp.privacy.ledger import PrivacyLedger
+from flwr_jdp.subject.config import SubjectDPConfig
+from flwr_jdp.subject.plan import SubjectPlan, _record_event, make_plan
+
+from .checkpoint import Checkpoint
+
+CONFIG, SETUP, MODEL, STATS = "config", "setup", "model", "stats"
+SILOS = "silos"
+
+
+def silo_key(i: int) -> str:
+    return f"silo.{int(i)}"
+
+
+def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()})
+
+
+class SubjectLevelFedAvg:
+    """Plan, charge, broadcast, average, evaluate; one run."""
+
+    def __init__(self, cfg: SubjectDPConfig, model: torch.nn.Module, evaluate_fn=None,  # noqa: ANN001
+                 run_config: dict | None = None, accountant: str = "pld") -> None:
+        self.cfg, self.model, self.evaluate_fn = cfg, model, evaluate_fn
+        self.accountant = accountant
+        self.node_silos: dict[int, list[int]] = {}
+        self.counts: np.ndarray | None = None
+        self.plan: SubjectPlan | None = None
+        self.history: list[dict] = []
+        self.dropped: list[str] = []
+        self.batch_stats: dict[str, list[int]] = {"group_sizes": [], "distinct_subjects": []}
+        self.checkpoint = Checkpoint(Path(cfg.results_dir), dict(run_config or {})) if cfg.results_dir else None
+
+    def _drop(self, reply: Message, reason: str) -> None:
+        msg = f"node {reply.metadata.src_node_id}: {reason}"
+        self.dropped.append(msg)
+        log(WARNING, "Dropped reply from %s", msg)
+
+    # ------------------------------------------------------------------ setup
+    def discover(self, grid: Grid, timeout: float = 600.0) -> np.ndarray:
+        """Ask nodes for their silos and per-subject counts until all silos report."""
+        s = self.cfg.num_silos
+        per_silo: dict[int, dict[int, int]] = {}
+        queried: set[int] = set()
+        deadline = time.time() + timeout
+        while len(per_silo) < s and time.time() < deadline:
+            nodes = [n for n in grid.get_node_ids() if n not in queried]
+            queried.update(nodes)
+            msgs = [Message(RecordDict({CONFIG: ConfigRecord({"round": 0})}), dst_node_id=n,
+                            message_type=MessageType.QUERY) for n in nodes]
+            for reply in (grid.send_and_receive(msgs, timeout=timeout) if msgs else []):
+                if reply.has_error() or SETUP not in reply.content:
+                    self._drop(reply, "setup reply without a 'setup' record")
+                    continue
+                silos = [int(i) for i in reply.content[SETUP].get(SILOS, [])]
+                bad = [i for i in silos if not 0 <= i < s or i in per_silo]
+                if bad or any(silo_key(i) not in reply.content.array_records for i in silos):
+                    self._drop(reply, f"silos {silos[:5]} out of range, hosted twice or without counts")
+                    continue
+                for i in silos:
+                    rec = reply.content.array_records[silo_key(i)]
+                    subj, cnt = rec["subjects"].numpy(), rec["counts"].numpy()
+                    per_silo[i] = {int(a): int(c) for a, c in zip(subj, cnt, strict=True) if c > 0}
+                self.node_silos[reply.metadata.src_node_id] = silos
+            if len(per_silo) < s:
+                time.sleep(0.5)
+        if len(per_silo) < s:
+            raise RuntimeError(f"only {len(per_silo)} of {s} silos reported within {timeout:.0f} s")
+        num_subjects = 1 + max(a for d in per_silo.values() for a in d)
+        counts = np.zeros((num_subjects, s), dtype=np.int64)
+        for i, d in per_silo.items():
+            for a, c in d.items():
+                counts[a, i] = c
+        return counts
+
+    # ------------------------------------------------------------- accounting
+    def round_events(self) -> dict:
+        """Scope -> event of one round (what the ledger charges)."""
+        cfg, plan = self.cfg, self.plan
+        if not cfg.private or cfg.method == "local-group-dp":
+            return {}
+        if cfg.method == "local-item-dp":
+            return {f"silo/{i}": _record_event(q, plan.noise_multiplier, cfg.local_steps)
+                    for i, q in enumerate(plan.sample_rates)}
+        rel = [SiloRelease(q, plan.noise_multiplier, cfg.local_steps) for q in plan.sample_rates]
+        acc = HorizontalAccountant(self.counts, cfg.delta, self.accountant)
+        return {f"subject/{a}": acc.subject_event(self.counts[a], rel, 1) for a in acc.candidates}
+
+    # ----------------------------------------------------------------- rounds
+    def _train_messages(self, server_round: int, grid: Grid) -> list[Message]:
+        plan = self.plan
+        arrays = ArrayRecord({k: Array(v) for k, v in model_arrays(self.model).items()})
+        out = []
+        for node, silos in self.node_silos.items():
+            conf = ConfigRecord({
+                "round": server_round, SILOS: silos,
+                "sample-rates": [float(plan.sample_rates[i]) for i in silos],
+                "noise-multiplier": float(plan.noise_multiplier),
+                "calibration-steps": int(plan.calibration_steps),
+            })
+            out.append(Message(RecordDict({MODEL: arrays, CONFIG: conf}), dst_node_id=node,
+                               message_type=MessageType.TRAIN))
+        return out
+
+    def _collect(self, replies, reference: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        models = []
+        for reply in replies:
+            if reply.has_error():
+                self._drop(reply, f"error {reply.error.code}: {reply.error.reason}")
+                continue
+            expected = self.node_silos.get(reply.metadata.src_node_id, [])
+            for i in expected:
+                rec = reply.content.array_records.get(silo_key(i))
+                if rec is None:
+                    self._drop(reply, f"no model for silo {i}")
+                    continue
+                arrays = {k: rec[k].numpy() for k in rec} if set(rec) == set(reference) else None
+                if arrays is None or any(arrays[k].shape != reference[k].shape for k in reference):
+                    self._drop(reply, f"silo {i}: arrays do not match the model")
+                    continue
+                if not all(np.isfinite(a).all() for a in arrays.values()):
+                    self._drop(reply, f"silo {i}: non-finite values")
+                    continue
+                models.append(arrays)
+            stats = reply.content.array_records.get(STATS)
+            if stats is not None:
+                for key in self.batch_stats:
+                    if key in stats:
+                        self.batch_stats[key].extend(int(v) for v in stats[key].numpy().ravel())
+        return models
+
+    def start(self, grid: Grid, timeout: float = 3600.0) -> dict:
+        """Run the whole plan; returns the summary written to ``results.json``."""
+        cfg = self.cfg
+        self.counts = self.discover(grid, timeout)
+        t0 = time.time()
+        self.plan = make_plan(cfg, self.counts, self.accountant)
+        log(INFO, "Plan (%s, %s accounting, inclusion %s): z = %.4f, %d rounds, exact epsilon %.4g, "
+            "s-fold bound %.4g, claimed %.4g (%.0f s)", cfg.method, cfg.accounting, cfg.inclusion,
+            self.plan.noise_multiplier, self.plan.rounds, self.plan.epsilon, self.plan.epsilon_sfold,
+            self.plan.epsilon_claimed, time.time() - t0)
+        ledger = PrivacyLedger(delta=cfg.delta, accountant=self.accountant, unit=self.plan.unit)
+        events = self.round_events()
+        status = "running"
+        for r in range(1, self.plan.rounds + 1):
+            t = time.time()
+            ledger.record_round(r, events, note=cfg.method)  # charged before release
+            reference = model_arrays(self.model)
+            replies = grid.send_and_receive(self._train_messages(r, grid), timeout=timeout)
+            models = self._collect(replies, reference)
+            if models:
+                load_arrays(self.model, {k: np.mean([m[k] for m in models], axis=0) for k in reference})
+            row = {"round": r, "silos": len(models), "epsilon": ledger.epsilon() if events else None,
+                   "seconds": time.time() - t}
+            if self.evaluate_fn is not None and (r % cfg.eval_every == 0 or r == self.plan.rounds):
+                row.update(self.evaluate_fn(self.model))
+            self.history.append(row)
+            log(INFO, "[round %d/%d] accuracy %s | epsilon %s (%s) | z %.4f | %d silos | %.1fs", r,
+                self.plan.rounds, f"{row['accuracy']:.4f}" if "accuracy" in row else "-",
+                f"{row['epsilon']:.4f}" if row["epsilon"] is not None else "claimed "
+                f"{self.plan.epsilon_claimed:g}", self.plan.unit, self.plan.noise_multiplier,
+                len(models), row["seconds"])
+            if r == self.plan.rounds:
+                status = "finished"
+            self._save(ledger, status)
+        return self.summary(ledger, status)
+
+    def summary(self, ledger: PrivacyLedger, status: str) -> dict:
+        last = self.history[-1] if self.history else {}
+        return {"status": status, "method": self.cfg.method, "accounting": self.cfg.accounting,
+                "inclusion": self.cfg.inclusion, "alpha": self.cfg.alpha, "plan": self.plan.to_dict(),
+                "ledger_epsilon": ledger.epsilon() if ledger.scopes else None,
+                "acc_final": last.get("accuracy"), "dropped": self.dropped,
+                "batch_stats": self.batch_stats, "silo_counts_max": self.counts.max(axis=0).tolist()}
+
+    def _save(self, ledger: PrivacyLedger, status: str) -> None:
+        if self.checkpoint is None:
+            return
+        arrays = ArrayRecord({k: Array(v) for k, v in model_arrays(self.model).items()})
+        summary = self.summary(ledger, status)
+        summary.pop("status")
+        self.checkpoint.save(arrays, ledger, self.history, self.plan.noise_multiplier, status, summary)
