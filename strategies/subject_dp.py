@@ -38,10 +38,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from flwr_jdp.privacy.events import dp_sgd
 from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.subject.config import SubjectDPConfig
-from flwr_jdp.subject.plan import SubjectPlan, _record_event, make_plan
+from flwr_jdp.subject.plan import SubjectPlan, make_plan
 
 from .checkpoint import Checkpoint
 
@@ -125,14 +126,14 @@ class SubjectLevelFedAvg:
         if not cfg.private or cfg.method == "local-group-dp":
             return {}
         if cfg.method == "local-item-dp":
-            return {f"silo/{i}": _record_event(q, plan.noise_multiplier, cfg.local_steps)
+            return {f"silo/{i}": dp_sgd(plan.noise_multiplier, q, cfg.local_steps)
                     for i, q in enumerate(plan.sample_rates)}
         rel = [SiloRelease(q, plan.noise_multiplier, cfg.local_steps) for q in plan.sample_rates]
         acc = HorizontalAccountant(self.counts, cfg.delta, self.accountant)
         return {f"subject/{a}": acc.subject_event(self.counts[a], rel, 1) for a in acc.candidates}
 
     # ----------------------------------------------------------------- rounds
-    def _train_messages(self, server_round: int, grid: Grid) -> list[Message]:
+    def _train_messages(self, server_round: int) -> list[Message]:
         plan = self.plan
         arrays = ArrayRecord({k: Array(v) for k, v in model_arrays(self.model).items()})
         out = []
@@ -191,7 +192,7 @@ class SubjectLevelFedAvg:
             t = time.time()
             ledger.record_round(r, events, note=cfg.method)  # charged before release
             reference = model_arrays(self.model)
-            replies = grid.send_and_receive(self._train_messages(r, grid), timeout=timeout)
+            replies = grid.send_and_receive(self._train_messages(r), timeout=timeout)
             models = self._collect(replies, reference)
             if models:
                 load_arrays(self.model, {k: np.mean([m[k] for m in models], axis=0) for k in reference})

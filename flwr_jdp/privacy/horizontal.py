@@ -57,6 +57,7 @@ import numpy as np
 
 from .accountants import epsilon as event_epsilon
 from .calibration import calibrate
+from .events import compose as ev_compose
 
 ACCOUNTING = ("exact", "scaled-steps", "sqrt-rounds")
 
@@ -85,8 +86,8 @@ class SiloRelease:
         Noisy steps per round.
     amplified : bool
         Claim amplification by the subject inclusion rate ``1 - (1-q)^k``
-        (HiGradAvgDP); ``False`` for mechanisms whose step always depends on the
-        subject (UserLDP clips the whole batch gradient).
+        (HiGradAvgDP, and UserLDP: a subject none of whose records is drawn does
+        not change the batch gradient); ``False`` claims none (conservative).
     """
 
     sample_rate: float
@@ -104,13 +105,6 @@ class SiloRelease:
             if p < 1.0:
                 step = dpa.PoissonSampledDpEvent(p, step)
         return dpa.SelfComposedDpEvent(step, int(self.steps * rounds))
-
-
-def _compose(events: list[dpa.DpEvent]) -> dpa.DpEvent:
-    events = [e for e in events if not isinstance(e, dpa.NoOpDpEvent)]
-    if not events:
-        return dpa.NoOpDpEvent()
-    return events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
 
 
 def pareto_maximal(rows: np.ndarray) -> np.ndarray:
@@ -161,7 +155,7 @@ class HorizontalAccountant:
     @staticmethod
     def subject_event(row: Sequence[int], releases: Sequence[SiloRelease], rounds: int) -> dpa.DpEvent:
         """Composed event of one subject with ``row[i]`` records at silo ``i``."""
-        return _compose([rel.subject_event(int(k), rounds) for k, rel in zip(row, releases)])
+        return ev_compose([rel.subject_event(int(k), rounds) for k, rel in zip(row, releases)])
 
     def s_fold_event(self, releases: Sequence[SiloRelease], rounds: int) -> dpa.DpEvent:
         """The worst-case bound without the map: a subject at every silo with that

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import ConfigError, build_from_run_config
+from ..config import build_from_run_config
 from ..privacy.horizontal import ACCOUNTING
 from ..training.subject_level import METHODS
 
@@ -74,9 +74,4 @@ KEYMAP = {f.replace("_", "-"): f for f in SubjectDPConfig.__dataclass_fields__}
 def parse_subject_config(run_config: dict) -> SubjectDPConfig:
     """Build the config from a run config; unknown keys are ignored (they belong
     to other apps), bad values raise :class:`ConfigError` naming the key."""
-    try:
-        return build_from_run_config(SubjectDPConfig, KEYMAP, run_config)
-    except ConfigError:
-        raise
-    except ValueError as err:  # pragma: no cover - build_from_run_config maps these
-        raise ConfigError(str(err)) from None
+    return build_from_run_config(SubjectDPConfig, KEYMAP, run_config)

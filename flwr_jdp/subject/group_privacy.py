@@ -17,9 +17,8 @@ from __future__ import annotations
 import functools
 import math
 
-import dp_accounting as dpa
-
 from ..privacy.calibration import calibrate
+from ..privacy.events import dp_sgd
 
 
 def group_to_record_budget(epsilon: float, delta: float, group_size: int) -> tuple[float, float]:
@@ -43,11 +42,4 @@ def group_noise_multiplier(group_size: int, epsilon: float, delta: float, sample
     """``sigma_Z``: the noise multiplier whose ``steps`` Poisson(``q``) steps are
     record-level (E/Z, D/(Z e^{(Z-1)E/Z}))-DP."""
     eps_z, delta_z = group_to_record_budget(epsilon, delta, group_size)
-
-    def event(z: float) -> dpa.DpEvent:
-        step = dpa.GaussianDpEvent(z)
-        if sample_rate < 1.0:
-            step = dpa.PoissonSampledDpEvent(sample_rate, step)
-        return dpa.SelfComposedDpEvent(step, int(steps))
-
-    return calibrate(eps_z, delta_z, event, accountant)
+    return calibrate(eps_z, delta_z, lambda z: dp_sgd(z, sample_rate, steps), accountant)

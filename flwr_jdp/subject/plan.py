@@ -30,11 +30,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import dp_accounting as dpa
 import numpy as np
 
 from ..privacy.accountants import epsilon as event_epsilon
 from ..privacy.calibration import calibrate
+from ..privacy.events import dp_sgd as record_event
 from ..privacy.horizontal import HorizontalAccountant, SiloRelease, sqrt_rounds
 from .config import SubjectDPConfig
 
@@ -64,13 +64,6 @@ def releases(rates: tuple[float, ...], z: float, steps: int) -> list[SiloRelease
     return [SiloRelease(q, z, steps) for q in rates]
 
 
-def _record_event(q: float, z: float, steps: int) -> dpa.DpEvent:
-    step = dpa.GaussianDpEvent(z)
-    if q < 1.0:
-        step = dpa.PoissonSampledDpEvent(q, step)
-    return dpa.SelfComposedDpEvent(step, int(steps))
-
-
 def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld") -> SubjectPlan:
     """Calibrate (or take) the noise and fix the rounds for ``cfg`` on ``counts``."""
     s = counts.shape[1]
@@ -84,8 +77,8 @@ def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld")
     target, delta = cfg.target_epsilon, cfg.delta
     if cfg.method == "local-item-dp":
         z = cfg.noise_multiplier or calibrate(
-            target, delta, lambda z: [_record_event(q, z, steps * R) for q in rates], accountant)
-        eps = max(event_epsilon(_record_event(q, z, steps * R), delta, accountant) for q in rates)
+            target, delta, lambda z: [record_event(z, q, steps * R) for q in rates], accountant)
+        eps = max(event_epsilon(record_event(z, q, steps * R), delta, accountant) for q in rates)
         return SubjectPlan(z, R, rates, steps * R, "record", eps, nan, target)
     if cfg.method == "local-group-dp":
         return SubjectPlan(0.0, rounds, rates, cal_steps, "subject (group DP, claimed)", nan, nan, target)
@@ -93,7 +86,7 @@ def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld")
     if cfg.noise_multiplier > 0:
         z = cfg.noise_multiplier
     elif cfg.inclusion == "record":  # the paper's accounting: record rate q per silo
-        z = calibrate(target, delta, lambda z: [_record_event(q, z, cal_steps) for q in rates], accountant)
+        z = calibrate(target, delta, lambda z: [record_event(z, q, cal_steps) for q in rates], accountant)
     else:
         z = acc.calibrate(target, R, lambda z: releases(rates, z, steps), cfg.accounting)
     rel = releases(rates, z, steps)

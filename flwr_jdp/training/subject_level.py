@@ -179,12 +179,11 @@ def _update(plan: SiloPlan, params: list[nn.Parameter], records: torch.Tensor, b
         return mech.release_torch(grads, generator)
     if plan.method == "higradavg-dp":
         sums = zeros if empty else clipped_unit_sum(params, by_subject, plan.clipping_norm)
-        z = plan.noise_multiplier
     else:
         sums = zeros if empty else clipped_unit_sum(params, record_batch(records), plan.clipping_norm)
-        z = plan.noise_multiplier
-        if plan.method == "local-group-dp":
-            z = plan.group_noise(max(1, group_size(by_subject)))
+    z = plan.noise_multiplier
+    if plan.method == "local-group-dp":
+        z = plan.group_noise(max(1, group_size(by_subject)))
     stats.noise_multipliers.append(z)
     mech = GaussianSumMechanism(z, plan.clipping_norm, expected)
     return mech.release_torch(sums, generator)
