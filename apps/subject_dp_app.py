@@ -45,11 +45,15 @@ client = ClientApp()
 
 
 def test_evaluator(cfg):  # noqa: ANN001, ANN201
-    """Accuracy of the global model on the FEMNIST test set (public data)."""
-    ds, _, _ = sd.dataset(cfg)
+    """Accuracy of the global model on the FEMNIST test set (``evaluate-on =
+    test``) or on the validation split carved from the training records
+    (``validation``, for tuning: nothing is chosen by looking at the test set).
+    Server-side evaluation of the released model is post-processing."""
+    ds, val, _ = sd.dataset(cfg)
+    x, y = (ds.x_test, ds.y_test) if cfg.evaluate_on == "test" else val
 
     def fn(model: torch.nn.Module) -> dict:
-        loss, acc = evaluate(model, ds.x_test, ds.y_test)
+        loss, acc = evaluate(model, x, y)
         return {"accuracy": float(acc), "loss": float(loss)}
     return fn
 

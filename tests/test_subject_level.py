@@ -140,6 +140,10 @@ def test_subject_config_errors_name_the_key() -> None:
         parse_subject_config({"alpha": 0.5})
     with pytest.raises(ConfigError, match="method"):
         parse_subject_config({"method": "nope"})
+    with pytest.raises(ConfigError, match="evaluate-on"):
+        parse_subject_config({"evaluate-on": "train"})
+    with pytest.raises(ConfigError, match="validation-fraction"):
+        parse_subject_config({"evaluate-on": "validation", "validation-fraction": 0.0})
 
 
 def test_subject_dp_apps_run_and_account_exactly(tmp_path, femnist_dir) -> None:

@@ -36,6 +36,7 @@ class SubjectDPConfig:
     model_seed: int = 0
     noise_seed: int = -1
     eval_every: int = 1
+    evaluate_on: str = "test"  # test | validation (tuning)
     results_dir: str = "results/subject_dp/run"
 
     def __post_init__(self) -> None:
@@ -58,6 +59,10 @@ class SubjectDPConfig:
         need(math.isfinite(self.alpha) and self.alpha >= 1, "alpha", ">= 1 (1: uniform)")
         need(0 <= self.validation_fraction < 1, "validation-fraction", "in [0, 1)")
         need(self.eval_every >= 1, "eval-every", ">= 1")
+        need(self.evaluate_on in ("test", "validation"), "evaluate-on", f"'test' or 'validation', got "
+             f"{self.evaluate_on!r}")
+        need(self.evaluate_on == "test" or self.validation_fraction > 0, "validation-fraction",
+             "> 0 with evaluate-on = validation")
         need(not (self.method == "local-group-dp" and self.accounting == "exact"), "accounting",
              "sqrt-rounds or scaled-steps for local-group-dp (its data-dependent noise has no exact account)")
         need(not (self.inclusion == "record" and self.accounting == "exact"), "inclusion",

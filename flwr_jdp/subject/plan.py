@@ -19,6 +19,10 @@ Computed once, by the server, before training, from the subject-to-silo counts:
   ``sqrt-rounds`` define the budget's batch count and the rounds. Its epsilon is
   the paper's claim (data-dependent noise; see :mod:`.group_privacy`).
 
+Per-silo record-level epsilon is increasing in the sampling rate (sampling at
+``q' < q`` is sampling at ``q'/q`` of the rate-``q`` sample, post-processing), so
+calibrating to the largest rate covers every silo.
+
 The plan's epsilons: ``epsilon`` is the exact subject-level epsilon of what is
 actually run (max over subjects, subject inclusion rates, PLD) for the methods
 that have one, ``epsilon_sfold`` the s-fold bound, ``epsilon_claimed`` what the
@@ -77,8 +81,8 @@ def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld")
     target, delta = cfg.target_epsilon, cfg.delta
     if cfg.method == "local-item-dp":
         z = cfg.noise_multiplier or calibrate(
-            target, delta, lambda z: [record_event(z, q, steps * R) for q in rates], accountant)
-        eps = max(event_epsilon(record_event(z, q, steps * R), delta, accountant) for q in rates)
+            target, delta, lambda z: [record_event(z, max(rates), steps * R)], accountant)
+        eps = event_epsilon(record_event(z, max(rates), steps * R), delta, accountant)
         return SubjectPlan(z, R, rates, steps * R, "record", eps, nan, target)
     if cfg.method == "local-group-dp":
         return SubjectPlan(0.0, rounds, rates, cal_steps, "subject (group DP, claimed)", nan, nan, target)
@@ -86,7 +90,7 @@ def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld")
     if cfg.noise_multiplier > 0:
         z = cfg.noise_multiplier
     elif cfg.inclusion == "record":  # the paper's accounting: record rate q per silo
-        z = calibrate(target, delta, lambda z: [record_event(z, q, cal_steps) for q in rates], accountant)
+        z = calibrate(target, delta, lambda z: [record_event(z, max(rates), cal_steps)], accountant)
     else:
         z = acc.calibrate(target, R, lambda z: releases(rates, z, steps), cfg.accounting)
     rel = releases(rates, z, steps)
