@@ -89,3 +89,19 @@ def test_would_exceed_and_mismatched_restore(tmp_path):
 def test_event_json_round_trip():
     event = dpa.ComposedDpEvent([ev.dp_sgd(1.0, 0.3, 4), ev.gaussian(2.0)])
     assert ev.from_dict(ev.to_dict(event)) == event
+
+
+def test_screened_epsilon_equals_max_over_all_scopes():
+    """With many distinct scopes the ledger skips scopes by their RDP bound; the
+    result must still be the maximum of every scope's own PLD epsilon."""
+    ledger = PrivacyLedger(delta=1e-5, accountant="pld", unit="subject")
+    for r in range(1, 4):
+        ledger.record_round(r, {
+            f"subject/{i}": dpa.SelfComposedDpEvent(
+                dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), steps)
+            for i, (q, z, steps) in enumerate([(0.01, 1.0, 5), (0.02, 1.2, 5), (0.05, 3.0, 2),
+                                               (0.01, 0.8, 3), (0.1, 8.0, 1), (0.03, 1.5, 4)])})
+    brute = max(ledger.scope_epsilon(s) for s in ledger.scopes)
+    fresh = PrivacyLedger(delta=1e-5, accountant="pld", unit="subject")
+    fresh.scopes = ledger.scopes
+    assert fresh.epsilon() == brute

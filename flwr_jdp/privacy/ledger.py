@@ -135,18 +135,37 @@ class PrivacyLedger:
     def epsilon(self, planned: dict[str, dpa.DpEvent] | None = None) -> float:
         """Joint-DP epsilon: the maximum over scopes (optionally after ``planned``).
 
-        Scopes with the same history (e.g. owners of equal size) are accounted once."""
+        Scopes with the same history (e.g. owners of equal size) are accounted once.
+        With many distinct scopes (e.g. one per subject) and the PLD accountant
+        under add/remove, scopes are visited in decreasing order of their RDP
+        epsilon, an upper bound on their true epsilon, and the search stops once
+        the largest PLD epsilon found is at least the next RDP bound: every skipped
+        scope's true epsilon is at most the returned value, which is therefore a
+        valid bound for all scopes (and equals the maximum PLD epsilon whenever
+        PLD is the tighter of the two, as it is for Gaussian releases)."""
         planned = planned or {}
         names = set(self.scopes) | set(planned)
         if not names:
             return 0.0
+        todo: dict[str, list[list[Any]]] = {}
         worst = 0.0
         for name in names:
             history = self._history(name, planned.get(name))
             key = json.dumps(history, sort_keys=True)
-            if key not in self._epsilon_cache:
-                self._epsilon_cache[key] = epsilon(self._event_of(history), self.delta,
-                                                   self.accountant, self.neighbouring)
+            if key in self._epsilon_cache:
+                worst = max(worst, self._epsilon_cache[key])
+            else:
+                todo[key] = history
+        events = {key: self._event_of(h) for key, h in todo.items()}
+        order = list(events)
+        bounds = dict.fromkeys(order, math.inf)
+        if len(order) > 2 and self.accountant == "pld" and self.neighbouring == "add-remove":
+            bounds = {key: epsilon(e, self.delta, "rdp") for key, e in events.items()}
+            order.sort(key=bounds.get, reverse=True)
+        for key in order:
+            if worst >= bounds[key]:
+                break
+            self._epsilon_cache[key] = epsilon(events[key], self.delta, self.accountant, self.neighbouring)
             worst = max(worst, self._epsilon_cache[key])
         return worst
 

@@ -1,0 +1,118 @@
+"""Plots and the README table of the subject-level FEMNIST runs.
+
+    python examples/subject_dp/report.py
+
+Reads ``results/subject_dp/femnist.csv``, ``accounting.csv`` and ``runs/*.json``
+(written by ``femnist.py`` and ``accounting.py``) and draws, beside them:
+
+- ``accuracy_rounds.png``: test accuracy over rounds of every run at alpha = 1;
+- ``batch_histograms.png``: per batch, the largest number of records of one
+  subject (group size Z) and the number of distinct subjects (paper Figure 2 c, d);
+- ``alpha_sweep.png``: final accuracy against alpha per run, when several alphas ran.
+
+and prints the markdown table of ``femnist.csv`` (test-set rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_runs(folder: Path) -> dict[tuple[str, float], dict]:
+    runs = {}
+    for path in sorted(folder.glob("*.json")):
+        doc = json.loads(path.read_text())
+        row = doc["row"]
+        if row["evaluate_on"] == "test":
+            runs[(row["run"], float(row["alpha"]))] = doc
+    return runs
+
+
+def plot_accuracy(runs: dict, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (name, alpha), doc in runs.items():
+        if alpha != 1.0:
+            continue
+        hist = [(h["round"], h["accuracy"]) for h in doc["history"] if "accuracy" in h]
+        r, a = zip(*hist)
+        row = doc["row"]
+        eps = row["epsilon"] if row["method"] not in ("fedavg", "local-group-dp") else None
+        label = f"{name} (z={float(row['noise_multiplier']):.3g}" + (f", eps={float(eps):.3g})" if eps else ")")
+        ax.plot(r, a, marker=".", label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("FEMNIST, 300 writers as subjects, 16 silos, alpha = 1")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def plot_histograms(runs: dict, out: Path) -> None:
+    doc = runs.get(("higradavg-exact", 1.0)) or next(iter(runs.values()))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, title in ((axes[0], "group_size_histogram", "largest records of one subject per batch (Z)"),
+                           (axes[1], "distinct_subjects_histogram", "distinct subjects per batch")):
+        h = {int(k): v for k, v in doc[key].items()}
+        ax.bar(list(h), list(h.values()), width=1.0)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("batches")
+    fig.suptitle(f"FEMNIST batches of run {doc['row']['run']} (alpha = {doc['row']['alpha']}, "
+                 f"batch 256, 16 silos)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def plot_alpha(rows: list[dict], out: Path) -> bool:
+    by_run: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        by_run.setdefault(r["run"], []).append((float(r["alpha"]), float(r["acc_final"])))
+    by_run = {k: sorted(v) for k, v in by_run.items() if len(v) > 1}
+    if not by_run:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, pts in by_run.items():
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("alpha (power-law silo assignment)")
+    ax.set_ylabel("final test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(ROOT / "results" / "subject_dp"))
+    args = ap.parse_args()
+    folder = Path(args.results)
+    rows = [r for r in csv.DictReader((folder / "femnist.csv").open()) if r["evaluate_on"] == "test"]
+    runs = load_runs(folder / "runs")
+    plot_accuracy(runs, folder / "accuracy_rounds.png")
+    plot_histograms(runs, folder / "batch_histograms.png")
+    plot_alpha(rows, folder / "alpha_sweep.png")
+    cols = ["run", "alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "epsilon", "unit",
+            "acc_final"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in sorted(rows, key=lambda r: (float(r["alpha"]), r["run"])):
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
