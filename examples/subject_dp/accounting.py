@@ -5,7 +5,8 @@ noise gives at the rounds each mode trains.
     python examples/subject_dp/accounting.py --data-dir ../shared/data/femnist --alpha 1
     python examples/subject_dp/accounting.py --alpha 2 4 8 16 --modes scaled-steps/subject
 
-Writes ``results/subject_dp/accounting.csv`` (one row per alpha and mode; rows of the
+Writes ``results/subject_dp/subject_map.csv`` (how writers sit on the silos per
+alpha) and ``results/subject_dp/accounting.csv`` (one row per alpha and mode; rows of the
 same alpha and mode are replaced). Modes: ``exact``, ``scaled-steps`` and
 ``sqrt-rounds`` with subject inclusion rates (this project), and ``sqrt-rounds`` /
 ``scaled-steps`` with the paper's record rate (``inclusion = record``).
@@ -18,9 +19,11 @@ import csv
 import time
 from pathlib import Path
 
+import numpy as np
+
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import SubjectDPConfig
-from flwr_jdp.subject.plan import make_plan
+from flwr_jdp.subject.plan import make_plan, sample_rates
 
 MODES = {f"{a}/{i}": (a, i) for a, i in [("exact", "subject"), ("scaled-steps", "subject"),
                                          ("sqrt-rounds", "subject"), ("scaled-steps", "record"),
@@ -29,12 +32,42 @@ FIELDS = ["alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "eps
           "epsilon_sfold", "epsilon_claimed", "seconds"]
 
 
+def map_row(alpha: float, data_dir: str) -> dict:
+    """How the writers sit on the silos at ``alpha`` (batch 256): silos per writer,
+    records per (writer, silo), the largest record sampling rate and the mean
+    per-batch inclusion rate ``1 - (1 - q)^k`` of a writer at a silo."""
+    cfg = SubjectDPConfig(alpha=alpha, data_dir=data_dir)
+    counts = sd.all_counts(cfg)
+    rates = np.asarray(sample_rates(counts.sum(axis=0), cfg.batch_size))
+    held = counts > 0
+    inclusion = 1.0 - (1.0 - rates[None, :]) ** counts
+    return {"alpha": alpha, "writers": counts.shape[0], "silos_per_writer_mean": round(held.sum(1).mean(), 2),
+            "records_per_writer_silo_mean": round(counts[held].mean(), 2),
+            "records_at_one_silo_max": int(counts.max()), "record_rate_max": round(rates.max(), 4),
+            "inclusion_rate_mean": round(inclusion[held].mean(), 4)}
+
+
+def write_map(path: Path, alphas: list[float], data_dir: str) -> None:
+    rows = [r for r in csv.DictReader(path.open()) if float(r["alpha"]) not in alphas] if path.is_file() else []
+    rows += [map_row(a, data_dir) for a in alphas]
+    rows.sort(key=lambda r: float(r["alpha"]))
+    write_csv(path, rows)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default="../shared/data/femnist")
     ap.add_argument("--alpha", type=float, nargs="+", default=[1.0])
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
-                    help="accounting/inclusion pairs to compute")
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES),
+                    help="accounting/inclusion pairs to compute (none: only the subject map)")
     ap.add_argument("--results", default="results/subject_dp/accounting.csv")
     args = ap.parse_args()
     out = Path(args.results)
@@ -43,6 +76,7 @@ def main() -> None:
         rows = [r for r in csv.DictReader(out.open())
                 if (float(r["alpha"]), f"{r['accounting']}/{r['inclusion']}") not in
                 {(a, m) for a in args.alpha for m in args.modes}]
+    write_map(out.parent / "subject_map.csv", args.alpha, args.data_dir)
     for alpha in args.alpha:
         for accounting, inclusion in (MODES[m] for m in args.modes):
             cfg = SubjectDPConfig(method="higradavg-dp", accounting=accounting, inclusion=inclusion,
@@ -55,11 +89,7 @@ def main() -> None:
                    "seconds": round(time.time() - t, 1)}
             print(row, flush=True)
             rows.append(row)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, [{k: r[k] for k in FIELDS} for r in rows])
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accounting import write_csv
 from flwr_jdp.apps.subject_dp_app import client, test_evaluator
 from flwr_jdp.strategies.subject_dp import SubjectLevelFedAvg
 
@@ -52,7 +53,7 @@ RUNS: dict[str, dict] = {
 }
 FIELDS = ["run", "method", "accounting", "inclusion", "alpha", "rounds", "noise_multiplier", "epsilon",
           "acc_final", "unit", "epsilon_claimed", "epsilon_sfold", "learning_rate", "evaluate_on",
-          "acc_best", "seconds"]
+          "seconds"]
 
 
 def histogram(values: list[int]) -> dict[str, int]:
@@ -75,7 +76,6 @@ def run_one(name: str, alpha: float, args: argparse.Namespace) -> dict:
         summary = strategy.start(grid)
         seconds = time.time() - t
     plan = summary["plan"]
-    accs = [h["accuracy"] for h in strategy.history if "accuracy" in h]
     row = {"run": name, "method": cfg.method,
            "accounting": "none" if cfg.method == "fedavg" else cfg.accounting,
            "inclusion": cfg.inclusion if cfg.method in ("higradavg-dp", "user-ldp") else "",
@@ -85,7 +85,7 @@ def run_one(name: str, alpha: float, args: argparse.Namespace) -> dict:
            "epsilon_claimed": plan["epsilon_claimed"], "epsilon_sfold": round(plan["epsilon_sfold"], 4)
            if math.isfinite(plan["epsilon_sfold"]) else plan["epsilon_sfold"],
            "learning_rate": cfg.learning_rate, "evaluate_on": cfg.evaluate_on,
-           "acc_best": round(max(accs), 4), "seconds": round(seconds, 1)}
+           "seconds": round(seconds, 1)}
     detail = {"row": row, "run_config": rc | {"results-dir": None}, "plan": plan,
               "ledger_epsilon": summary["ledger_epsilon"], "dropped": summary["dropped"],
               "history": strategy.history,
@@ -101,11 +101,7 @@ def write_row(path: Path, row: dict) -> None:
         rows = [r for r in csv.DictReader(path.open())
                 if (r["run"], float(r["alpha"]), r["evaluate_on"], float(r["learning_rate"])) != key]
     rows.append(row)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(path, [{k: r.get(k, "") for k in FIELDS} for r in rows])
 
 
 def main() -> None:

@@ -112,6 +112,12 @@ def main() -> None:
     print("|" + "---|" * len(cols))
     for r in sorted(rows, key=lambda r: (float(r["alpha"]), r["run"])):
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    print("\nper-batch group size Z (largest records of one subject): mean, max")
+    for (name, alpha), doc in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        hist = {int(k): v for k, v in doc["group_size_histogram"].items()}
+        if hist:
+            mean = sum(k * v for k, v in hist.items()) / sum(hist.values())
+            print(f"  {name} alpha={alpha:g}: {mean:.1f}, {max(hist)}")
 
 
 if __name__ == "__main__":
