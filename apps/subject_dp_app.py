@@ -1,8 +1,9 @@
 """The subject-level DP Flower App: ``server`` (ServerApp) and ``client`` (ClientApp).
 
 A SuperNode with ``partition-id = p`` of ``num-partitions = P`` hosts silos
-``p, p + P, ...`` (FEMNIST writers as subjects, spread over ``num-silos`` silos by
-``alpha``; data built once per process). Each silo trains the received model with
+``p, p + P, ...`` (FEMNIST writers or Shakespeare characters as subjects, by the
+``dataset`` key, spread over ``num-silos`` silos by ``alpha``; data built once per
+process). Each silo trains the received model with
 the configured mechanism (:mod:`flwr_jdp.training.subject_level`) and replies with
 its noised model. Run with ``flwr run examples/subject_dp`` or
 ``examples/subject_dp/femnist.py`` (the same apps on an in-process grid).
@@ -31,12 +32,12 @@ from flwr_jdp.strategies.subject_dp import (
 )
 
 from flwr_jdp.config import ConfigError
-from flwr_jdp.models.leaf_cnn import build_leaf_cnn
 from flwr_jdp.privacy.mechanisms import torch_generator
 from flwr_jdp.protocol import hosted_owners
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import parse_subject_config
 from flwr_jdp.subject.group_privacy import group_noise_multiplier
+from flwr_jdp.subject.task import build_subject_model
 from flwr_jdp.training.plain import evaluate
 from flwr_jdp.training.subject_level import BatchStats, SiloPlan, train_silo_round
 
@@ -45,7 +46,7 @@ client = ClientApp()
 
 
 def test_evaluator(cfg):  # noqa: ANN001, ANN201
-    """Accuracy of the global model on the FEMNIST test set (``evaluate-on =
+    """Accuracy of the global model on the task's test set (``evaluate-on =
     test``) or on the validation split carved from the training records
     (``validation``, for tuning: nothing is chosen by looking at the test set).
     Server-side evaluation of the released model is post-processing."""
@@ -67,7 +68,7 @@ def main(grid: Grid, context: Context) -> None:
         log(ERROR, "Invalid configuration: %s", err)
         raise
     torch.set_num_threads(1)
-    strategy = SubjectLevelFedAvg(cfg, build_leaf_cnn(seed=cfg.model_seed), test_evaluator(cfg),
+    strategy = SubjectLevelFedAvg(cfg, build_subject_model(cfg), test_evaluator(cfg),
                                   dict(context.run_config))
     strategy.start(grid)
 
@@ -111,7 +112,7 @@ def train(msg: Message, context: Context) -> Message:
         plan = SiloPlan(cfg.method, float(q), cfg.local_steps, cfg.learning_rate, cfg.clipping_norm,
                         float(conf["noise-multiplier"]),
                         group_noise if cfg.method == "local-group-dp" else None)
-        model = build_leaf_cnn(seed=cfg.model_seed)
+        model = build_subject_model(cfg)
         load_arrays(model, arrays)
         seed = None if cfg.noise_seed < 0 else cfg.noise_seed * 1_000_003 + rnd * 1009 + int(i)
         train_silo_round(model, sd.silo_data(cfg, int(i)), plan, torch_generator(seed), stats)

@@ -39,3 +39,17 @@ def femnist_dir():
         if (path / "femnist_leaf_subset_300writers.npz").is_file():
             return path
     pytest.skip("FEMNIST data not found (set FLWR_JDP_DATA_DIR)")
+
+
+@pytest.fixture
+def shakespeare_dir():
+    """The Tiny Shakespeare folder: ``$FLWR_JDP_DATA_DIR/tinyshakespeare`` or
+    ``../shared/data/tinyshakespeare``; tests that need it are skipped without it."""
+    from pathlib import Path
+
+    roots = [os.environ.get("FLWR_JDP_DATA_DIR", ""), str(Path(__file__).resolve().parents[2] / "shared" / "data")]
+    for root in filter(None, roots):
+        path = Path(root) / "tinyshakespeare"
+        if (path / "input.txt").is_file():
+            return path
+    pytest.skip("Tiny Shakespeare data not found (set FLWR_JDP_DATA_DIR)")

@@ -34,8 +34,8 @@ from flwr_jdp.apps.subject_dp_app import client, test_evaluator
 from flwr_jdp.strategies.subject_dp import SubjectLevelFedAvg
 
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.models.leaf_cnn import build_leaf_cnn
 from flwr_jdp.subject.config import parse_subject_config
+from flwr_jdp.subject.task import build_subject_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,8 @@ def histogram(values: list[int]) -> dict[str, int]:
 
 
 def run_one(name: str, alpha: float, args: argparse.Namespace) -> dict:
-    rc = {"data-dir": args.data_dir, "alpha": alpha, "budget-rounds": args.budget_rounds,
+    rc = {"dataset": args.dataset, "data-dir": args.data_dir, "alpha": alpha, "budget-rounds": args.budget_rounds,
+          "batch-size": args.batch_size, "local-steps": args.local_steps, "max-writers": args.max_subjects,
           "learning-rate": args.learning_rate, "eval-every": args.eval_every,
           "evaluate-on": args.evaluate_on, "noise-seed": args.noise_seed, **RUNS[name]}
     if args.noise_multiplier:
@@ -71,7 +72,7 @@ def run_one(name: str, alpha: float, args: argparse.Namespace) -> dict:
         rc["results-dir"] = tmp
         cfg = parse_subject_config(rc)
         grid = InProcessGrid(client, args.nodes, rc)
-        strategy = SubjectLevelFedAvg(cfg, build_leaf_cnn(seed=cfg.model_seed), test_evaluator(cfg), rc)
+        strategy = SubjectLevelFedAvg(cfg, build_subject_model(cfg), test_evaluator(cfg), rc)
         t = time.time()
         summary = strategy.start(grid)
         seconds = time.time() - t
@@ -104,13 +105,21 @@ def write_row(path: Path, row: dict) -> None:
     write_csv(path, [{k: r.get(k, "") for k in FIELDS} for r in rows])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "femnist"))
+#: dataset -> (default data folder, default learning rate chosen on the validation split)
+DEFAULTS = {"femnist": ("femnist", 0.2), "shakespeare": ("tinyshakespeare", 2.0)}
+
+
+def main(dataset: str = "femnist", doc: str | None = None) -> None:
+    folder, lr = DEFAULTS[dataset]
+    ap = argparse.ArgumentParser(description=(doc or __doc__).splitlines()[0])
+    ap.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / folder))
     ap.add_argument("--alpha", type=float, nargs="+", default=[1.0])
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--budget-rounds", type=int, default=100)
-    ap.add_argument("--learning-rate", type=float, default=0.2)
+    ap.add_argument("--learning-rate", type=float, default=lr)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--local-steps", type=int, default=2)
+    ap.add_argument("--max-subjects", type=int, default=0, help="0 = all subjects")
     ap.add_argument("--noise-multiplier", type=float, default=0.0,
                     help="skip calibration (tuning only; the plan still reports the true epsilon)")
     ap.add_argument("--eval-every", type=int, default=5)
@@ -119,16 +128,18 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--results", default=str(ROOT / "results" / "subject_dp"))
     args = ap.parse_args()
+    args.dataset = dataset
     torch.set_num_threads(1)
     out = Path(args.results)
-    table = out / ("femnist.csv" if args.evaluate_on == "test" else "femnist_validation.csv")
+    table = out / (f"{dataset}.csv" if args.evaluate_on == "test" else f"{dataset}_validation.csv")
+    prefix = "" if dataset == "femnist" else f"{dataset}_"
     for alpha in args.alpha:
         for name in args.runs:
             detail = run_one(name, alpha, args)
             print(json.dumps(detail["row"]), flush=True)
             write_row(table, detail["row"])
             suffix = "" if args.evaluate_on == "test" else f"_val_lr{args.learning_rate:g}"
-            path = out / "runs" / f"{name}_alpha{alpha:g}{suffix}.json"
+            path = out / "runs" / f"{prefix}{name}_alpha{alpha:g}{suffix}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(detail, indent=1, default=float))
 

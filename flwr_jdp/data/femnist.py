@@ -18,38 +18,15 @@ Images are returned as float32 (N, 1, 28, 28) with ink positive
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .subject_dataset import SubjectDataset
+
 NPZ_NAME = "femnist_leaf_subset_300writers.npz"
 HF_NAME = "flwrlabs/femnist"
 NUM_CLASSES = 62
-
-
-@dataclass(frozen=True)
-class SubjectDataset:
-    """Train/test arrays with the data subject of every record."""
-
-    x_train: np.ndarray
-    y_train: np.ndarray
-    subject_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-    num_subjects: int
-    num_classes: int
-
-    def validation_split(self, fraction: float, seed: int) -> tuple[SubjectDataset, tuple[np.ndarray, np.ndarray]]:
-        """Carve a random ``fraction`` of the training records off as a validation
-        set (for tuning; the test set is never used to choose anything)."""
-        rng = np.random.default_rng(seed)
-        order = rng.permutation(len(self.y_train))
-        cut = int(round(fraction * len(order)))
-        val, keep = np.sort(order[:cut]), np.sort(order[cut:])
-        train = SubjectDataset(self.x_train[keep], self.y_train[keep], self.subject_train[keep],
-                               self.x_test, self.y_test, self.num_subjects, self.num_classes)
-        return train, (self.x_train[val], self.y_train[val])
 
 
 def _prepare(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

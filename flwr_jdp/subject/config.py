@@ -10,6 +10,7 @@ from ..privacy.horizontal import ACCOUNTING
 from ..training.subject_level import METHODS
 
 INCLUSION = ("subject", "record")
+DATASETS = ("femnist", "shakespeare")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class SubjectDPConfig:
     learning_rate: float = 0.2
     clipping_norm: float = 1.0
     noise_multiplier: float = 0.0
+    dataset: str = "femnist"  # femnist (writers, LEAF CNN) | shakespeare (characters, char LSTM)
+    seq_len: int = 40  # shakespeare: characters per record
     num_silos: int = 16
     alpha: float = 1.0
     assignment_seed: int = 0
@@ -55,6 +58,8 @@ class SubjectDPConfig:
         need(math.isfinite(self.clipping_norm) and self.clipping_norm > 0, "clipping-norm", "> 0")
         need(math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0, "noise-multiplier",
              ">= 0 (0: calibrate to target-epsilon)")
+        need(self.dataset in DATASETS, "dataset", f"one of {DATASETS}, got {self.dataset!r}")
+        need(1 <= self.seq_len <= 1000, "seq-len", "in [1, 1000]")
         need(1 <= self.num_silos <= 1024, "num-silos", "in [1, 1024]")
         need(math.isfinite(self.alpha) and self.alpha >= 1, "alpha", ">= 1 (1: uniform)")
         need(0 <= self.validation_fraction < 1, "validation-fraction", "in [0, 1)")

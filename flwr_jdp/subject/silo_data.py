@@ -1,6 +1,7 @@
 """The silos of a run, built identically (and once per process) on every node
-from the run config: FEMNIST writers as subjects, records spread over the silos
-by :func:`flwr_jdp.subject.silos.assign_records`."""
+from the run config: the task's subjects (FEMNIST writers or Shakespeare
+characters, :mod:`flwr_jdp.subject.task`), records spread over the silos by
+:func:`flwr_jdp.subject.silos.assign_records`."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ import functools
 
 import numpy as np
 
-from ..data.femnist import SubjectDataset, load_femnist
+from ..data.subject_dataset import SubjectDataset
 from ..training.subject_level import SiloData
 from .config import SubjectDPConfig
 from .silos import assign_records, subject_silo_counts
+from .task import load_subject_dataset
 
 
 @functools.lru_cache(maxsize=8)
-def _build(data_dir: str, max_writers: int, validation_fraction: float, num_silos: int, alpha: float,
+def _build(source: tuple[str, str, int, int], validation_fraction: float, num_silos: int, alpha: float,
            seed: int) -> tuple[SubjectDataset, tuple[np.ndarray, np.ndarray], np.ndarray]:
-    ds = load_femnist(data_dir, max_writers)
+    ds = load_subject_dataset(*source)
     val = (ds.x_train[:0], ds.y_train[:0])
     if validation_fraction > 0:
         ds, val = ds.validation_split(validation_fraction, seed)
@@ -27,21 +29,23 @@ def _build(data_dir: str, max_writers: int, validation_fraction: float, num_silo
 
 def dataset(cfg: SubjectDPConfig) -> tuple[SubjectDataset, tuple[np.ndarray, np.ndarray], np.ndarray]:
     """(training data without the validation split, validation split, silo of each record)."""
-    return _build(cfg.data_dir, cfg.max_writers, cfg.validation_fraction, cfg.num_silos, cfg.alpha,
-                  cfg.assignment_seed)
+    return _build(_source(cfg), cfg.validation_fraction, cfg.num_silos, cfg.alpha, cfg.assignment_seed)
+
+
+def _source(cfg: SubjectDPConfig) -> tuple[str, str, int, int]:
+    return (cfg.dataset, cfg.data_dir, cfg.max_writers, cfg.seq_len)
 
 
 @functools.lru_cache(maxsize=64)
-def _silo(data_dir: str, max_writers: int, validation_fraction: float, num_silos: int, alpha: float,
+def _silo(source: tuple[str, str, int, int], validation_fraction: float, num_silos: int, alpha: float,
           seed: int, index: int) -> SiloData:
-    ds, _, silo = _build(data_dir, max_writers, validation_fraction, num_silos, alpha, seed)
+    ds, _, silo = _build(source, validation_fraction, num_silos, alpha, seed)
     rows = np.flatnonzero(silo == index)
     return SiloData.from_numpy(ds.x_train[rows], ds.y_train[rows], ds.subject_train[rows])
 
 
 def silo_data(cfg: SubjectDPConfig, index: int) -> SiloData:
-    return _silo(cfg.data_dir, cfg.max_writers, cfg.validation_fraction, cfg.num_silos, cfg.alpha,
-                 cfg.assignment_seed, index)
+    return _silo(_source(cfg), cfg.validation_fraction, cfg.num_silos, cfg.alpha, cfg.assignment_seed, index)
 
 
 def local_counts(cfg: SubjectDPConfig, index: int) -> tuple[np.ndarray, np.ndarray]:

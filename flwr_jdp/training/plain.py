@@ -17,6 +17,20 @@ def to_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
 
 
+def record_losses(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every record, averaged over its positions when a record
+    holds several predictions (sequence models: logits (N, C, L), targets (N, L)).
+    With one label per record this is plain per-record cross-entropy."""
+    losses = F.cross_entropy(out, target, reduction="none")
+    return losses.reshape(len(target), -1).mean(1)
+
+
+def correct_fraction(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-record fraction of correctly predicted positions (0 or 1 with one label)."""
+    hits = (out.argmax(1) == target).to(torch.float64)
+    return hits.reshape(len(target), -1).mean(1)
+
+
 def train_plain(
     model: nn.Module,
     params: list[torch.nn.Parameter],
@@ -45,7 +59,7 @@ def train_plain(
             for start in range(0, len(yt), batch_size):
                 idx = order[start : start + batch_size]
                 opt.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(xt[idx]), yt[idx])
+                loss = record_losses(model(xt[idx]), yt[idx]).mean()
                 loss.backward()
                 opt.step()
                 losses.append(float(loss.detach()))
@@ -57,15 +71,17 @@ def train_plain(
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> tuple[float, float]:
-    """Return (mean cross-entropy, accuracy) of ``model`` on ``(x, y)``."""
+    """Return (mean cross-entropy, accuracy) of ``model`` on ``(x, y)``; for
+    sequence records both are over all predicted positions (every record has as
+    many)."""
     if len(y) == 0:
         return float("nan"), float("nan")
     xt, yt = to_tensors(x, y)
     model.eval()
-    loss, correct = 0.0, 0
+    loss, correct = 0.0, 0.0
     for start in range(0, len(yt), batch_size):
         out = model(xt[start : start + batch_size])
         target = yt[start : start + batch_size]
-        loss += float(F.cross_entropy(out, target, reduction="sum"))
-        correct += int((out.argmax(1) == target).sum())
+        loss += float(record_losses(out, target).sum())
+        correct += float(correct_fraction(out, target).sum())
     return loss / len(yt), correct / len(yt)

@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
 from ..privacy.mechanisms import GaussianSumMechanism, clip_coefficients
 from .dp_sgd import UnitBatch, clipped_unit_sum
+from .plain import record_losses
 
 METHODS = ("fedavg", "local-item-dp", "higradavg-dp", "local-group-dp", "user-ldp")
 PER_SAMPLE = ("local-item-dp", "higradavg-dp", "local-group-dp")
@@ -55,7 +55,9 @@ class SiloData:
 
     @classmethod
     def from_numpy(cls, x: np.ndarray, y: np.ndarray, subject: np.ndarray) -> SiloData:
-        return cls(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
+        x = np.asarray(x)  # token ids (sequence models) stay integers
+        dtype = np.int64 if np.issubdtype(x.dtype, np.integer) else np.float32
+        return cls(torch.from_numpy(np.ascontiguousarray(x, dtype=dtype)),
                    torch.from_numpy(np.asarray(y, dtype=np.int64)),
                    torch.from_numpy(np.asarray(subject, dtype=np.int64)))
 
@@ -151,7 +153,7 @@ def train_silo_round(model: nn.Module, data: SiloData, plan: SiloPlan, generator
                 p.grad_sample = None
         if len(records):
             out = net(data.x[records])
-            loss = F.cross_entropy(out, data.y[records], reduction="sum")
+            loss = record_losses(out, data.y[records]).sum()
             loss.backward()
             losses.append(float(loss.detach()) / len(records))
         update = _update(plan, params, records, by_subject, expected, generator, stats)
