@@ -23,11 +23,21 @@ the paper's Figure 2.
 Rounds: ``query`` once (each node lists its silos and their counts), then per round
 ``train`` with the global model and the plan; a reply with missing silos, wrong
 shapes or non-finite values is dropped with a logged reason (that silo is absent
-from the average). Model, ledger and results are written after every round.
+from the average). The ledger is written as soon as a round is charged, model and
+results after every round.
+
+Restart (``resume = true``, the default): a server restarted with the same run
+config and ``results-dir`` reloads the model, ledger, history and batch statistics
+of an unfinished run and continues after the last completed round. A round that
+was charged but not completed (crash mid-round) may have released noised models:
+its charge stays, and re-running it is charged again. If that would take epsilon
+beyond the target (or the plan's epsilon, if larger), the run stops with status ``budget-exhausted`` and the
+model and ledger saved (conservative: nothing is ever un-charged).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from logging import INFO, WARNING
 from pathlib import Path
@@ -187,10 +197,20 @@ class SubjectLevelFedAvg:
             self.plan.epsilon_claimed, time.time() - t0)
         ledger = PrivacyLedger(delta=cfg.delta, accountant=self.accountant, unit=self.plan.unit)
         events = self.round_events()
+        ledger, first = self._maybe_resume(ledger)
         status = "running"
-        for r in range(1, self.plan.rounds + 1):
+        for r in range(first, self.plan.rounds + 1):
             t = time.time()
+            if events and any(int(e["round"]) >= r for e in ledger.rounds):  # charged before a crash
+                budget = max(cfg.target_epsilon, self.plan.epsilon)
+                if ledger.epsilon(events) > budget * (1 + 1e-9):
+                    log(WARNING, "Budget: re-running round %d after a restart would take epsilon %.4g "
+                        "beyond %.4g; stopping", r, ledger.epsilon(events), budget)
+                    status = "budget-exhausted"
+                    break
             ledger.record_round(r, events, note=cfg.method)  # charged before release
+            if self.checkpoint is not None and events:  # on disk before anything is released
+                ledger.save(self.checkpoint.ledger_path)
             reference = model_arrays(self.model)
             replies = grid.send_and_receive(self._train_messages(r), timeout=timeout)
             models = self._collect(replies, reference)
@@ -209,7 +229,27 @@ class SubjectLevelFedAvg:
             if r == self.plan.rounds:
                 status = "finished"
             self._save(ledger, status)
+        if status == "budget-exhausted":
+            self._save(ledger, status)
         return self.summary(ledger, status)
+
+    def _maybe_resume(self, ledger: PrivacyLedger) -> tuple[PrivacyLedger, int]:
+        """(ledger, first round to run): the saved state of an unfinished run with
+        the same configuration, or the fresh ledger and round 1."""
+        ckpt = self.checkpoint
+        if not (ckpt is not None and self.cfg.resume and ckpt.resumable()):
+            return ledger, 1
+        reference = model_arrays(self.model)
+        arrays, saved, history, _ = ckpt.load({k: None for k in reference})
+        load_arrays(self.model, {k: arrays[k].numpy() for k in reference})
+        results = json.loads(ckpt.results_path.read_text())
+        self.history = history
+        self.batch_stats = {k: list(results.get("batch_stats", {}).get(k, [])) for k in self.batch_stats}
+        self.dropped = list(results.get("dropped", []))
+        done = int(history[-1]["round"]) if history else 0
+        log(INFO, "Resuming after round %d: epsilon %.4g already spent (%d rounds charged)", done,
+            saved.epsilon() if saved.scopes else 0.0, len(saved.rounds))
+        return saved, done + 1
 
     def summary(self, ledger: PrivacyLedger, status: str) -> dict:
         last = self.history[-1] if self.history else {}

@@ -41,6 +41,7 @@ class SubjectDPConfig:
     eval_every: int = 1
     evaluate_on: str = "test"  # test | validation (tuning)
     results_dir: str = "results/subject_dp/run"
+    resume: bool = True  # continue an unfinished run with the same configuration in results-dir
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, allowed: str) -> None:
