@@ -53,7 +53,7 @@ RUNS: dict[str, dict] = {
 }
 FIELDS = ["run", "method", "accounting", "inclusion", "alpha", "rounds", "noise_multiplier", "epsilon",
           "acc_final", "unit", "epsilon_claimed", "epsilon_sfold", "learning_rate", "evaluate_on",
-          "seconds"]
+          "seconds", "seed"]
 
 
 def histogram(values: list[int]) -> dict[str, int]:
@@ -61,11 +61,12 @@ def histogram(values: list[int]) -> dict[str, int]:
     return {str(int(v)): int(c) for v, c in zip(vals, counts)}
 
 
-def run_one(name: str, alpha: float, args: argparse.Namespace) -> dict:
-    rc = {"dataset": args.dataset, "data-dir": args.data_dir, "alpha": alpha, "budget-rounds": args.budget_rounds,
+def run_one(name: str, alpha: float, args: argparse.Namespace, seed: int = 0) -> dict:
+    """One run; seed ``k`` uses model seed ``k`` and noise seed ``--noise-seed + k``."""
+    rc = {"model-seed": seed, "dataset": args.dataset, "data-dir": args.data_dir, "alpha": alpha, "budget-rounds": args.budget_rounds,
           "batch-size": args.batch_size, "local-steps": args.local_steps, "max-writers": args.max_subjects,
           "learning-rate": args.learning_rate, "eval-every": args.eval_every,
-          "evaluate-on": args.evaluate_on, "noise-seed": args.noise_seed, **RUNS[name]}
+          "evaluate-on": args.evaluate_on, "noise-seed": args.noise_seed + seed, **RUNS[name]}
     if args.noise_multiplier:
         rc["noise-multiplier"] = args.noise_multiplier
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,8 +87,8 @@ def run_one(name: str, alpha: float, args: argparse.Namespace) -> dict:
            "epsilon_claimed": plan["epsilon_claimed"], "epsilon_sfold": round(plan["epsilon_sfold"], 4)
            if math.isfinite(plan["epsilon_sfold"]) else plan["epsilon_sfold"],
            "learning_rate": cfg.learning_rate, "evaluate_on": cfg.evaluate_on,
-           "seconds": round(seconds, 1)}
-    detail = {"row": row, "run_config": rc | {"results-dir": None}, "plan": plan,
+           "seconds": round(seconds, 1), "seed": seed}
+    detail = {"dataset": args.dataset, "row": row, "run_config": rc | {"results-dir": None}, "plan": plan,
               "ledger_epsilon": summary["ledger_epsilon"], "dropped": summary["dropped"],
               "history": strategy.history,
               "group_size_histogram": histogram(summary["batch_stats"]["group_sizes"]),
@@ -98,9 +99,10 @@ def run_one(name: str, alpha: float, args: argparse.Namespace) -> dict:
 def write_row(path: Path, row: dict) -> None:
     rows = []
     if path.is_file():
-        key = (row["run"], float(row["alpha"]), row["evaluate_on"], float(row["learning_rate"]))
-        rows = [r for r in csv.DictReader(path.open())
-                if (r["run"], float(r["alpha"]), r["evaluate_on"], float(r["learning_rate"])) != key]
+        def key(r: dict) -> tuple:
+            return (r["run"], float(r["alpha"]), r["evaluate_on"], float(r["learning_rate"]),
+                    int(r.get("seed") or 0))
+        rows = [r for r in csv.DictReader(path.open()) if key(r) != key(row)]
     rows.append(row)
     write_csv(path, [{k: r.get(k, "") for k in FIELDS} for r in rows])
 
@@ -125,6 +127,8 @@ def main(dataset: str = "femnist", doc: str | None = None) -> None:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--evaluate-on", choices=["test", "validation"], default="test")
     ap.add_argument("--noise-seed", type=int, default=1)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="seed k: model seed k, noise seed --noise-seed + k")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--results", default=str(ROOT / "results" / "subject_dp"))
     args = ap.parse_args()
@@ -133,16 +137,15 @@ def main(dataset: str = "femnist", doc: str | None = None) -> None:
     out = Path(args.results)
     table = out / (f"{dataset}.csv" if args.evaluate_on == "test" else f"{dataset}_validation.csv")
     prefix = "" if dataset == "femnist" else f"{dataset}_"
-    for alpha in args.alpha:
-        for name in args.runs:
-            detail = run_one(name, alpha, args)
-            print(json.dumps(detail["row"]), flush=True)
-            write_row(table, detail["row"])
-            suffix = "" if args.evaluate_on == "test" else f"_val_lr{args.learning_rate:g}"
-            path = out / "runs" / f"{prefix}{name}_alpha{alpha:g}{suffix}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(detail, indent=1, default=float))
-
+    for alpha, seed, name in ((a, k, n) for a in args.alpha for k in args.seeds for n in args.runs):
+        detail = run_one(name, alpha, args, seed)
+        print(json.dumps(detail["row"]), flush=True)
+        write_row(table, detail["row"])
+        suffix = "" if args.evaluate_on == "test" else f"_val_lr{args.learning_rate:g}"
+        suffix += f"_seed{seed}" if seed else ""
+        path = out / "runs" / f"{prefix}{name}_alpha{alpha:g}{suffix}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(detail, indent=1, default=float))
 
 if __name__ == "__main__":
     main()

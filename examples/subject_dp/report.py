@@ -1,16 +1,17 @@
-"""Plots and the README table of the subject-level FEMNIST runs.
+"""Plots and the README table of the subject-level runs (FEMNIST or Shakespeare).
 
-    python examples/subject_dp/report.py
+    python examples/subject_dp/report.py [--dataset shakespeare]
 
-Reads ``results/subject_dp/femnist.csv``, ``accounting.csv`` and ``runs/*.json``
-(written by ``femnist.py`` and ``accounting.py``) and draws, beside them:
+Reads ``results/subject_dp/<dataset>.csv`` and ``runs/*.json`` (written by
+``femnist.py`` / ``shakespeare.py``) and draws, beside them (Shakespeare files
+are prefixed ``shakespeare_``):
 
-- ``accuracy_rounds.png``: test accuracy over rounds of every run at alpha = 1;
+- ``accuracy_rounds.png``: test accuracy over rounds of every run at alpha = 1 (seed 0);
 - ``batch_histograms.png``: per batch, the largest number of records of one
   subject (group size Z) and the number of distinct subjects (paper Figure 2 c, d);
 - ``alpha_sweep.png``: final accuracy against alpha per run, when several alphas ran.
 
-and prints the markdown table of ``femnist.csv`` (test-set rows).
+and prints the markdown table of the test-set rows, mean +- std over seeds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -28,17 +30,38 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_runs(folder: Path) -> dict[tuple[str, float], dict]:
+TITLES = {"femnist": "FEMNIST, 300 writers as subjects", "shakespeare": "Tiny Shakespeare, 134 characters as subjects"}
+
+
+def load_runs(folder: Path, dataset: str) -> dict[tuple[str, float], dict]:
+    """(run, alpha) -> the seed-0 test run of ``dataset``."""
     runs = {}
     for path in sorted(folder.glob("*.json")):
         doc = json.loads(path.read_text())
         row = doc["row"]
-        if row["evaluate_on"] == "test":
+        if (doc.get("dataset", "femnist") == dataset and row["evaluate_on"] == "test"
+                and int(row.get("seed") or 0) == 0):
             runs[(row["run"], float(row["alpha"]))] = doc
     return runs
 
 
-def plot_accuracy(runs: dict, out: Path) -> None:
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per (run, alpha, learning rate): acc_final as mean (+- std over seeds)."""
+    groups: dict[tuple[str, float, float], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["run"], float(r["alpha"]), float(r["learning_rate"])), []).append(r)
+    out = []
+    for group in groups.values():
+        accs = [float(r["acc_final"]) for r in group]
+        row = dict(group[0], seeds=len(accs), acc_mean=statistics.fmean(accs),
+                   acc_std=statistics.stdev(accs) if len(accs) > 1 else 0.0)
+        row["acc_final"] = (f"{row['acc_mean']:.4f} +- {row['acc_std']:.4f}" if len(accs) > 1
+                            else f"{row['acc_mean']:.4f}")
+        out.append(row)
+    return out
+
+
+def plot_accuracy(runs: dict, out: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (name, alpha), doc in runs.items():
         if alpha != 1.0:
@@ -51,7 +74,7 @@ def plot_accuracy(runs: dict, out: Path) -> None:
         ax.plot(r, a, marker=".", label=label)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
-    ax.set_title("FEMNIST, 300 writers as subjects, 16 silos, alpha = 1")
+    ax.set_title(f"{title}, 16 silos, alpha = 1")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -59,7 +82,7 @@ def plot_accuracy(runs: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def plot_histograms(runs: dict, out: Path) -> None:
+def plot_histograms(runs: dict, out: Path, title: str) -> None:
     doc = runs.get(("higradavg-exact", 1.0)) or next(iter(runs.values()))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, key, title in ((axes[0], "group_size_histogram", "largest records of one subject per batch (Z)"),
@@ -68,7 +91,7 @@ def plot_histograms(runs: dict, out: Path) -> None:
         ax.bar(list(h), list(h.values()), width=1.0)
         ax.set_title(title, fontsize=9)
         ax.set_ylabel("batches")
-    fig.suptitle(f"FEMNIST batches of run {doc['row']['run']} (alpha = {doc['row']['alpha']}, "
+    fig.suptitle(f"{title}: batches of run {doc['row']['run']} (alpha = {doc['row']['alpha']}, "
                  f"batch 256, 16 silos)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -78,8 +101,8 @@ def plot_histograms(runs: dict, out: Path) -> None:
 def plot_alpha(rows: list[dict], out: Path) -> bool:
     by_run: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        by_run.setdefault(r["run"], []).append((float(r["alpha"]), float(r["acc_final"])))
-    by_run = {k: sorted(v) for k, v in by_run.items() if len(v) > 1}
+        by_run.setdefault(r["run"], []).append((float(r["alpha"]), float(r["acc_mean"])))
+    by_run = {k: sorted(v) for k, v in by_run.items() if len({a for a, _ in v}) > 1}
     if not by_run:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -99,15 +122,18 @@ def plot_alpha(rows: list[dict], out: Path) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "results" / "subject_dp"))
+    ap.add_argument("--dataset", choices=list(TITLES), default="femnist")
     args = ap.parse_args()
     folder = Path(args.results)
-    rows = [r for r in csv.DictReader((folder / "femnist.csv").open()) if r["evaluate_on"] == "test"]
-    runs = load_runs(folder / "runs")
-    plot_accuracy(runs, folder / "accuracy_rounds.png")
-    plot_histograms(runs, folder / "batch_histograms.png")
-    plot_alpha(rows, folder / "alpha_sweep.png")
+    prefix = "" if args.dataset == "femnist" else f"{args.dataset}_"
+    rows = aggregate([r for r in csv.DictReader((folder / f"{args.dataset}.csv").open())
+                      if r["evaluate_on"] == "test"])
+    runs = load_runs(folder / "runs", args.dataset)
+    plot_accuracy(runs, folder / f"{prefix}accuracy_rounds.png", TITLES[args.dataset])
+    plot_histograms(runs, folder / f"{prefix}batch_histograms.png", TITLES[args.dataset])
+    plot_alpha(rows, folder / f"{prefix}alpha_sweep.png")
     cols = ["run", "alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "epsilon", "unit",
-            "acc_final"]
+            "learning_rate", "seeds", "acc_final"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in sorted(rows, key=lambda r: (float(r["alpha"]), r["run"])):
