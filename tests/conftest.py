@@ -27,29 +27,26 @@ def pytest_configure(config):
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-@pytest.fixture
-def femnist_dir():
-    """The FEMNIST folder: ``$FLWR_JDP_DATA_DIR/femnist`` or ``../shared/data/femnist``
-    from the repository root; tests that need it are skipped without it."""
+def _shared_data(folder: str, probe: str):
+    """``$FLWR_JDP_DATA_DIR/<folder>`` or ``../shared/data/<folder>`` from the
+    repository root, if it holds ``probe``; tests that need it are skipped without it."""
     from pathlib import Path
 
     roots = [os.environ.get("FLWR_JDP_DATA_DIR", ""), str(Path(__file__).resolve().parents[2] / "shared" / "data")]
     for root in filter(None, roots):
-        path = Path(root) / "femnist"
-        if (path / "femnist_leaf_subset_300writers.npz").is_file():
+        path = Path(root) / folder
+        if (path / probe).is_file():
             return path
-    pytest.skip("FEMNIST data not found (set FLWR_JDP_DATA_DIR)")
+    pytest.skip(f"{folder} data not found (set FLWR_JDP_DATA_DIR)")
+
+
+@pytest.fixture
+def femnist_dir():
+    """The FEMNIST folder (writers as subjects)."""
+    return _shared_data("femnist", "femnist_leaf_subset_300writers.npz")
 
 
 @pytest.fixture
 def shakespeare_dir():
-    """The Tiny Shakespeare folder: ``$FLWR_JDP_DATA_DIR/tinyshakespeare`` or
-    ``../shared/data/tinyshakespeare``; tests that need it are skipped without it."""
-    from pathlib import Path
-
-    roots = [os.environ.get("FLWR_JDP_DATA_DIR", ""), str(Path(__file__).resolve().parents[2] / "shared" / "data")]
-    for root in filter(None, roots):
-        path = Path(root) / "tinyshakespeare"
-        if (path / "input.txt").is_file():
-            return path
-    pytest.skip("Tiny Shakespeare data not found (set FLWR_JDP_DATA_DIR)")
+    """The Tiny Shakespeare folder (characters as subjects)."""
+    return _shared_data("tinyshakespeare", "input.txt")
