@@ -1,13 +1,16 @@
 """Accounting only (no training): the noise multiplier each accounting mode needs on
-the real FEMNIST subject-to-silo map, and the exact subject-level epsilon that
-noise gives at the rounds each mode trains.
+the real subject-to-silo map (FEMNIST writers, or with ``--dataset shakespeare``
+Tiny Shakespeare characters), and the exact subject-level epsilon that noise gives
+at the rounds each mode trains.
 
     python examples/subject_dp/accounting.py --data-dir ../shared/data/femnist --alpha 1
     python examples/subject_dp/accounting.py --alpha 2 4 8 16 --modes scaled-steps/subject
+    python examples/subject_dp/accounting.py --dataset shakespeare \
+        --data-dir ../shared/data/tinyshakespeare --modes
 
 Writes ``results/subject_dp/subject_map.csv`` (how writers sit on the silos per
 alpha) and ``results/subject_dp/accounting.csv`` (one row per alpha and mode; rows of the
-same alpha and mode are replaced). Modes: ``exact``, ``scaled-steps`` and
+same alpha and mode are replaced); Shakespeare files are prefixed ``shakespeare_``. Modes: ``exact``, ``scaled-steps`` and
 ``sqrt-rounds`` with subject inclusion rates (this project), and ``sqrt-rounds`` /
 ``scaled-steps`` with the paper's record rate (``inclusion = record``).
 """
@@ -32,24 +35,27 @@ FIELDS = ["alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "eps
           "epsilon_sfold", "epsilon_claimed", "seconds"]
 
 
-def map_row(alpha: float, data_dir: str) -> dict:
+def map_row(alpha: float, data_dir: str, dataset: str = "femnist") -> dict:
     """How the writers sit on the silos at ``alpha`` (batch 256): silos per writer,
     records per (writer, silo), the largest record sampling rate and the mean
     per-batch inclusion rate ``1 - (1 - q)^k`` of a writer at a silo."""
-    cfg = SubjectDPConfig(alpha=alpha, data_dir=data_dir)
+    cfg = SubjectDPConfig(alpha=alpha, data_dir=data_dir, dataset=dataset)
     counts = sd.all_counts(cfg)
+    y_test = np.asarray(sd.dataset(cfg)[0].y_test).ravel()
     rates = np.asarray(sample_rates(counts.sum(axis=0), cfg.batch_size))
     held = counts > 0
     inclusion = 1.0 - (1.0 - rates[None, :]) ** counts
     return {"alpha": alpha, "writers": counts.shape[0], "silos_per_writer_mean": round(held.sum(1).mean(), 2),
             "records_per_writer_silo_mean": round(counts[held].mean(), 2),
             "records_at_one_silo_max": int(counts.max()), "record_rate_max": round(rates.max(), 4),
-            "inclusion_rate_mean": round(inclusion[held].mean(), 4)}
+            "inclusion_rate_mean": round(inclusion[held].mean(), 4),
+            "records_per_writer_median": float(np.median(counts.sum(1))),
+            "test_majority_share": round(float(np.bincount(y_test).max() / len(y_test)), 4)}
 
 
-def write_map(path: Path, alphas: list[float], data_dir: str) -> None:
+def write_map(path: Path, alphas: list[float], data_dir: str, dataset: str = "femnist") -> None:
     rows = [r for r in csv.DictReader(path.open()) if float(r["alpha"]) not in alphas] if path.is_file() else []
-    rows += [map_row(a, data_dir) for a in alphas]
+    rows += [map_row(a, data_dir, dataset) for a in alphas]
     rows.sort(key=lambda r: float(r["alpha"]))
     write_csv(path, rows)
 
@@ -68,19 +74,21 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, nargs="+", default=[1.0])
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES),
                     help="accounting/inclusion pairs to compute (none: only the subject map)")
-    ap.add_argument("--results", default="results/subject_dp/accounting.csv")
+    ap.add_argument("--dataset", choices=["femnist", "shakespeare"], default="femnist")
+    ap.add_argument("--results", default="results/subject_dp")
     args = ap.parse_args()
-    out = Path(args.results)
+    prefix = "" if args.dataset == "femnist" else f"{args.dataset}_"
+    out = Path(args.results) / f"{prefix}accounting.csv"
     rows = []
     if out.is_file():
         rows = [r for r in csv.DictReader(out.open())
                 if (float(r["alpha"]), f"{r['accounting']}/{r['inclusion']}") not in
                 {(a, m) for a in args.alpha for m in args.modes}]
-    write_map(out.parent / "subject_map.csv", args.alpha, args.data_dir)
+    write_map(out.parent / f"{prefix}subject_map.csv", args.alpha, args.data_dir, args.dataset)
     for alpha in args.alpha:
         for accounting, inclusion in (MODES[m] for m in args.modes):
             cfg = SubjectDPConfig(method="higradavg-dp", accounting=accounting, inclusion=inclusion,
-                                  alpha=alpha, data_dir=args.data_dir)
+                                  alpha=alpha, data_dir=args.data_dir, dataset=args.dataset)
             t = time.time()
             plan = make_plan(cfg, sd.all_counts(cfg))
             row = {"alpha": alpha, "accounting": accounting, "inclusion": inclusion, "rounds": plan.rounds,
@@ -89,7 +97,8 @@ def main() -> None:
                    "seconds": round(time.time() - t, 1)}
             print(row, flush=True)
             rows.append(row)
-    write_csv(out, [{k: r[k] for k in FIELDS} for r in rows])
+    if rows:
+        write_csv(out, [{k: r[k] for k in FIELDS} for r in rows])
 
 
 if __name__ == "__main__":
