@@ -199,6 +199,8 @@ class SubjectLevelFedAvg:
         events = self.round_events()
         ledger, first = self._maybe_resume(ledger)
         status = "running"
+        if first == 1 and not self.history:
+            self._save(ledger, status)  # a crash in round 1 then resumes with round 1's charge
         for r in range(first, self.plan.rounds + 1):
             t = time.time()
             if events and any(int(e["round"]) >= r for e in ledger.rounds):  # charged before a crash

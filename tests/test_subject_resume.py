@@ -107,3 +107,16 @@ def test_rerun_that_would_exceed_the_target_stops_with_model_and_ledger_saved(tm
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
     assert saved["status"] == "budget-exhausted" and saved["epsilon"] <= 4.0 * (1 + 1e-6)
     assert (tmp_path / "run" / "model.npz").is_file()
+
+
+def test_crash_in_round_one_keeps_its_charge(tmp_path, femnist_dir) -> None:
+    """A crash during round 1 (after its charge, before any round completed) is
+    resumed: round 1's charge stays and its re-run is charged too."""
+    _, _, _, grid_cls, _ = _apps()
+    rc = _config(tmp_path, femnist_dir, **{"noise-multiplier": 5.0, "target-epsilon": 1000.0})
+    with pytest.raises(CrashAfterSave):
+        _strategy(rc).start(_crash_on_train_call(grid_cls(_apps()[0], 2, rc), 1))
+    out = _strategy(rc).start(grid_cls(_apps()[0], 2, rc))
+    assert out["status"] == "finished"
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert [r["round"] for r in ledger["rounds"]] == [1, 1, 2, 3]

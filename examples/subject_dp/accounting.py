@@ -41,7 +41,8 @@ def map_row(alpha: float, data_dir: str, dataset: str = "femnist") -> dict:
     per-batch inclusion rate ``1 - (1 - q)^k`` of a writer at a silo."""
     cfg = SubjectDPConfig(alpha=alpha, data_dir=data_dir, dataset=dataset)
     counts = sd.all_counts(cfg)
-    y_test = np.asarray(sd.dataset(cfg)[0].y_test).ravel()
+    ds, validation, _ = sd.dataset(cfg)
+    y_test = np.asarray(ds.y_test).ravel()
     rates = np.asarray(sample_rates(counts.sum(axis=0), cfg.batch_size))
     held = counts > 0
     inclusion = 1.0 - (1.0 - rates[None, :]) ** counts
@@ -50,7 +51,9 @@ def map_row(alpha: float, data_dir: str, dataset: str = "femnist") -> dict:
             "records_at_one_silo_max": int(counts.max()), "record_rate_max": round(rates.max(), 4),
             "inclusion_rate_mean": round(inclusion[held].mean(), 4),
             "records_per_writer_median": float(np.median(counts.sum(1))),
-            "test_majority_share": round(float(np.bincount(y_test).max() / len(y_test)), 4)}
+            "test_majority_share": round(float(np.bincount(y_test).max() / len(y_test)), 4),
+            "records_train": len(ds.y_train), "records_validation": len(validation[1]),
+            "records_test": len(ds.y_test)}
 
 
 def write_map(path: Path, alphas: list[float], data_dir: str, dataset: str = "femnist") -> None:

@@ -7,7 +7,7 @@ ServerApp strategy and ClientApp on an in-process grid.
 
 Scale (2 CPU cores): the 134 characters with at least 1,000 characters of training
 text; records of 40 characters with the next character at every position
-(stride 40, 21.5 k training records); an embedding-8, LSTM-32 model
+(stride 40; 21.5 k records before the validation split); an embedding-8, LSTM-32 model
 (:mod:`flwr_jdp.models.char_lstm`, 8 k parameters) instead of LEAF's 2-layer
 LSTM-256 on 80-character windows. Same options and outputs as ``femnist.py``:
 rows go to ``results/subject_dp/shakespeare.csv``, runs to

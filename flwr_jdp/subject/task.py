@@ -15,14 +15,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..data.femnist import NUM_CLASSES, load_femnist
+from ..data.femnist import load_femnist
 from ..data.shakespeare import load_shakespeare
 from ..data.subject_dataset import SubjectDataset
 from ..models.char_lstm import build_char_lstm
 from ..models.leaf_cnn import build_leaf_cnn
 from .config import SubjectDPConfig
-
-SHAKESPEARE_VOCAB = 65
 
 
 def load_subject_dataset(dataset: str, data_dir: str, max_subjects: int, seq_len: int) -> SubjectDataset:
@@ -33,7 +31,9 @@ def load_subject_dataset(dataset: str, data_dir: str, max_subjects: int, seq_len
 
 
 def build_subject_model(cfg: SubjectDPConfig) -> nn.Module:
-    """The seeded model of the task (identical on the server and every silo)."""
+    """The seeded model of the task (identical on the server and every silo), sized
+    to the data set's classes (FEMNIST's 62 labels, the corpus's 65 characters)."""
+    classes = load_subject_dataset(cfg.dataset, cfg.data_dir, cfg.max_writers, cfg.seq_len).num_classes
     if cfg.dataset == "shakespeare":
-        return build_char_lstm(SHAKESPEARE_VOCAB, seed=cfg.model_seed)
-    return build_leaf_cnn(NUM_CLASSES, seed=cfg.model_seed)
+        return build_char_lstm(classes, seed=cfg.model_seed)
+    return build_leaf_cnn(classes, seed=cfg.model_seed)
