@@ -5,6 +5,12 @@ parameters from ``context.state``, loads the global shared parameters, trains
 (shared parameters with the configured DP mechanism, personal ones without noise),
 stores the personal parameters back in ``context.state`` and replies with the
 owner's release of shared parameters only.
+
+Under the decoupled coupling (joint-DP, record or user unit; the default) the
+release is computed with the personal parameters at their public initial values,
+and the owner's personal parameters are fitted on the broadcast shared parameters
+once per broadcast (at evaluation or at the next round, whichever comes first); see
+:mod:`flwr_jdp.training.owner_round`.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 
 from flwr_jdp import protocol
-from flwr_jdp.training import OwnerPlan, evaluate, train_owner_round
+from flwr_jdp.training import OwnerPlan, evaluate, fit_personal, train_owner_round
 
 from .owner_state import (
     load_owner_model,
@@ -26,7 +32,10 @@ from .owner_state import (
     num_classes,
     owner_data,
     owner_generator,
+    personal_fit_on,
+    public_personal,
     save_personal,
+    shared_digest,
     trained_rounds,
 )
 
@@ -73,13 +82,18 @@ def train(msg: Message, context: Context) -> Message:
     shared = msg.content[protocol.SHARED]
     data = owner_data(cfg)
     reply = RecordDict()
+    digest = shared_digest(shared) if cfg.decoupled else ""
     for o in _requested(msg, my_owners(cfg, context)):
         model, split = load_owner_model(cfg, context, data[o], shared, session)
         plan = OwnerPlan(float(rates.get(o, 1.0)), int(steps.get(o, 1)), z)
-        release, loss = train_owner_round(
-            model, split, data[o], cfg, plan, owner_generator(cfg, server_round, o)
-        )
-        save_personal(context, o, model, split, session)
+        generator = owner_generator(cfg, server_round, o)
+        public = None
+        if cfg.decoupled:
+            if personal_fit_on(context, o, session) != digest:
+                fit_personal(model, split, data[o], cfg, generator)
+            public = public_personal(cfg, data[o])
+        release, loss = train_owner_round(model, split, data[o], cfg, plan, generator, public)
+        save_personal(context, o, model, split, session, fit_on=digest)
         log(DEBUG, "owner %d round %d: local train loss %.4f (not sent)", o, server_round, loss)
         reply[protocol.owner_key(o)] = protocol.to_record(
             {name: release[name] for name in split.shared}  # shared names only
@@ -98,8 +112,14 @@ def evaluate_owners(msg: Message, context: Context) -> Message:
     session = str(msg.content[protocol.CONFIG].get(protocol.SESSION, ""))
     data = owner_data(cfg)
     reply = RecordDict()
+    digest = shared_digest(shared) if cfg.decoupled else ""
+    server_round = int(msg.content[protocol.CONFIG].get(protocol.ROUND, 0))
     for o in _requested(msg, my_owners(cfg, context)):
-        model, _ = load_owner_model(cfg, context, data[o], shared, session)
+        model, split = load_owner_model(cfg, context, data[o], shared, session)
+        if cfg.decoupled and personal_fit_on(context, o, session) != digest:
+            # The owner's model is the broadcast plus personal parameters fitted on it.
+            fit_personal(model, split, data[o], cfg, owner_generator(cfg, -server_round, o))
+            save_personal(context, o, model, split, session, fit_on=digest, count_round=False)
         loss, acc = evaluate(model, data[o].x_test, data[o].y_test)
         reply[protocol.metrics_key(o)] = MetricRecord(
             {protocol.NUM_EXAMPLES: len(data[o].y_test), protocol.ACCURACY: acc, protocol.LOSS: loss,

@@ -15,6 +15,7 @@ personal state instead of a fresh one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import tempfile
@@ -78,6 +79,42 @@ def new_model(cfg: JobConfig, data: OwnerData) -> tuple[nn.Module, ParamSplit]:
     return model, split
 
 
+@functools.lru_cache(maxsize=8)
+def _public_personal(cfg: JobConfig, shape: tuple[int, ...]) -> tuple[tuple[str, np.ndarray], ...]:
+    model = build_model(cfg.model, shape, num_classes(cfg), cfg.norm, cfg.seed)
+    split = split_parameters(model, cfg.effective_personal_rule, allow_empty=cfg.method != "joint-dp")
+    return tuple(get_arrays(model, split.personal).items())
+
+
+def public_personal(cfg: JobConfig, data: OwnerData) -> dict[str, np.ndarray]:
+    """The seeded initial values of the personal parameters: public (every node
+    derives them from the run config alone), so a release computed with them does
+    not depend on any owner's personal state."""
+    return {k: v.copy() for k, v in _public_personal(cfg, tuple(data.x_train.shape[1:]))}
+
+
+def shared_digest(shared: ArrayRecord | None) -> str:
+    """Fingerprint of broadcast shared arrays (which global model personal
+    parameters were last fitted against)."""
+    h = hashlib.sha256()
+    if shared is not None:
+        for name, arr in zip(shared.keys(), shared.to_numpy_ndarrays(), strict=False):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()[:32]
+
+
+def personal_fit_on(context: Context, owner_id: int, session: str = "") -> str:
+    """Digest of the shared arrays the owner's personal parameters were last
+    fitted against ('' if never)."""
+    if personal_key(owner_id) not in context.state:
+        _restore_from_disk(session, context, owner_id)
+    meta = f"{personal_key(owner_id)}.meta"
+    if meta not in context.state:
+        return ""
+    return str(context.state[meta].get("fit-on", ""))
+
+
 def _state_file(session: str, context: Context, owner_id: int) -> Path | None:
     """Node-local file of one owner's personal state, if the node keeps one."""
     root = context.node_config.get("state-dir")
@@ -90,21 +127,25 @@ def _restore_from_disk(session: str, context: Context, owner_id: int) -> None:
     path = _state_file(session, context, owner_id)
     if path is None or not path.is_file():
         return
+    meta_keys = ("__trained_rounds__", "__fit_on__")
     with np.load(path) as npz:
-        arrays = {k: np.asarray(npz[k]) for k in npz.files if k != "__trained_rounds__"}
+        arrays = {k: np.asarray(npz[k]) for k in npz.files if k not in meta_keys}
         rounds = int(npz["__trained_rounds__"]) if "__trained_rounds__" in npz.files else 0
+        fit_on = str(npz["__fit_on__"]) if "__fit_on__" in npz.files else ""
     context.state[personal_key(owner_id)] = protocol.to_record(arrays)
-    context.state[f"{personal_key(owner_id)}.meta"] = ConfigRecord({"trained-rounds": rounds})
+    context.state[f"{personal_key(owner_id)}.meta"] = ConfigRecord(
+        {"trained-rounds": rounds, "fit-on": fit_on})
 
 
-def _save_to_disk(session: str, context: Context, owner_id: int, arrays: dict, rounds: int) -> None:
+def _save_to_disk(session: str, context: Context, owner_id: int, arrays: dict, rounds: int,
+                  fit_on: str = "") -> None:
     path = _state_file(session, context, owner_id)
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     with os.fdopen(fd, "wb") as fh:
-        np.savez(fh, __trained_rounds__=np.int64(rounds), **arrays)
+        np.savez(fh, __trained_rounds__=np.int64(rounds), __fit_on__=np.str_(fit_on), **arrays)
     os.replace(tmp, path)
 
 
@@ -127,15 +168,17 @@ def load_owner_model(
 
 
 def save_personal(context: Context, owner_id: int, model: nn.Module, split: ParamSplit,
-                  session: str = "") -> None:
+                  session: str = "", *, fit_on: str = "", count_round: bool = True) -> None:
     """Keep the owner's personal arrays in ``context.state`` (never sent), and on
-    the node's disk if it has a ``state-dir``; count the rounds trained."""
+    the node's disk if it has a ``state-dir``; count the rounds trained
+    (``count_round``) and record which broadcast they were fitted on (``fit_on``)."""
     arrays = get_arrays(model, split.personal)
     context.state[personal_key(owner_id)] = protocol.to_record(arrays)
     meta = f"{personal_key(owner_id)}.meta"
     rounds = int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
-    context.state[meta] = ConfigRecord({"trained-rounds": rounds + 1})
-    _save_to_disk(session, context, owner_id, dict(arrays), rounds + 1)
+    rounds += int(count_round)
+    context.state[meta] = ConfigRecord({"trained-rounds": rounds, "fit-on": fit_on})
+    _save_to_disk(session, context, owner_id, dict(arrays), rounds, fit_on)
 
 
 def trained_rounds(context: Context, owner_id: int, session: str = "") -> int:

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     jdp.add_argument("--records-per-user", type=_positive(int), default=1, help="m/r (user unit if > 1)")
     jdp.add_argument("--personal", default="fc1", help="personal layers: fc1, conv1, conv2, "
                      "conv1+fc1, conv2+fc1, conv1+conv2, conv1+conv2+fc1")
+    jdp.add_argument("--coupling", choices=("decoupled", "interleaved"), default="decoupled",
+                     help="joint-dp personal layers: decoupled from the shared release (DP holds) or "
+                     "interleaved (the paper's Algorithm 1; record-level guarantee not established)")
     jdp.add_argument("--supernodes", type=_positive(int), default=2,
                      help="simulated SuperNodes; the owners are spread over them")
     jdp.add_argument("--local-epochs", type=_positive(int), default=None, help="default: paper Table 3")
@@ -98,7 +101,7 @@ def _reproduce(args: argparse.Namespace) -> int:
 
     try:
         cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon,
-                    args.records_per_user, args.personal)
+                    args.records_per_user, args.personal, args.coupling)
     except ValueError as err:
         print(f"flwr-jdp reproduce: {err}", file=sys.stderr)
         return 2

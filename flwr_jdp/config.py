@@ -17,6 +17,10 @@ from .privacy.accountants import ACCOUNTANTS
 from .privacy.units import NoisePlacement, PrivacyUnit
 
 METHODS = ("joint-dp", "full-dp", "fedavg", "per-silo")
+#: How personal parameters relate to the shared release (see
+#: :mod:`flwr_jdp.training.owner_round`): ``decoupled`` (record/user-level DP
+#: holds) or ``interleaved`` (the joint-DP paper's Algorithm 1; not covered).
+COUPLINGS = ("decoupled", "interleaved")
 UNITS = tuple(u.value for u in PrivacyUnit if u is not PrivacyUnit.SUBJECT)
 PLACEMENTS = tuple(p.value for p in NoisePlacement)
 
@@ -38,6 +42,7 @@ class JobConfig:
     personal_learning_rate: float = 0.1
     server_learning_rate: float = 1.0
     personal_layers: str = r"^fc1\."
+    personal_coupling: str = "decoupled"
     privacy_unit: str = "record"
     records_per_user: int = 1
     noise_placement: str = "local"
@@ -77,6 +82,15 @@ class JobConfig:
         if self.method == "per-silo":
             return ".*"
         return self.personal_layers
+
+    @property
+    def decoupled(self) -> bool:
+        """True when the shared release must not see the owner's trained personal
+        parameters: a private method, personal parameters, a record or user unit and
+        ``personal-coupling = decoupled``. (With the owner unit the whole owner is
+        the unit, so its personal state may shape its clipped update.)"""
+        return (self.dp and self.method == "joint-dp" and self.unit is not PrivacyUnit.OWNER
+                and self.personal_coupling == "decoupled")
 
     @property
     def unit(self) -> PrivacyUnit:
@@ -194,6 +208,7 @@ def validate(cfg: JobConfig) -> None:
         except re.error:
             raise _fail("personal_layers", "a valid regular expression", cfg.personal_layers) from None
         need(bool(cfg.personal_layers), "personal_layers", "a non-empty regular expression")
+    need(cfg.personal_coupling in COUPLINGS, "personal_coupling", f"one of {COUPLINGS}")
     if cfg.fraction_train < 1 and cfg.privacy_unit != "owner":
         raise ConfigError(
             "run-config key 'fraction-train' must be 1.0 unless privacy-unit='owner' "

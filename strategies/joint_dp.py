@@ -132,6 +132,12 @@ class JointDP(Strategy):
         initial = protocol.to_record(get_arrays(model, split.shared))
         self.spec = spec_of(initial)
         self.schedule = build_schedule(self.cfg, self.sizes)
+        if (self.cfg.dp and self.cfg.method == "joint-dp" and not self.cfg.decoupled
+                and self.cfg.unit is not PrivacyUnit.OWNER):
+            log(WARNING, "personal-coupling='interleaved': shared gradients are taken through "
+                "personal parameters trained without noise, so the %s-level guarantee the "
+                "ledger reports is NOT established (the paper's Algorithm 1, kept for "
+                "reproduction only); use 'decoupled'", self.cfg.privacy_unit)
         if self.cfg.dp and self.cfg.calibrate and self.noise_multiplier == 0.0:
             self.noise_multiplier = calibrate_schedule(self.cfg, self.schedule)
             log(INFO, "Calibrated noise multiplier %.4f for epsilon=%.3g at delta=%.3g over "

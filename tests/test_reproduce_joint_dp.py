@@ -24,6 +24,10 @@ def test_cell_run_config_matches_the_paper_setup(tmp_path):
     assert cfg.noise_placement == "central" and cfg.personal_layers == r"^fc1\."
     user = parse_config(run_config(Cell("mnist", 4, "joint-dp", "local", 3.0, 5), 0, "", str(tmp_path)))
     assert (user.privacy_unit, user.records_per_user) == ("user", 5)
+    assert cfg.personal_coupling == "decoupled" and cfg.decoupled
+    paper = Cell("fashion-mnist", 256, "joint-dp", coupling="interleaved")
+    assert paper.name.endswith("-interleaved")
+    assert parse_config(run_config(paper, 0, "/data", str(tmp_path))).personal_coupling == "interleaved"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -31,6 +35,7 @@ def test_cell_run_config_matches_the_paper_setup(tmp_path):
     ({"trust": "none"}, "--trust"),
     ({"method": "joint-dp", "personal": "none"}, "full-dp"),
     ({"method": "full-dp", "epsilon": 0.0}, "--epsilon"),
+    ({"coupling": "loose"}, "--coupling"),
 ])
 def test_bad_cells_fail_with_the_option_name(kwargs, message):
     args = {"dataset": "mnist", "owners": 4, "method": "joint-dp", **kwargs}
@@ -52,6 +57,7 @@ def test_reproduce_one_cell_through_flower_simulation(tmp_path, capsys):
     assert (row["dataset"], row["owners"], row["method"], row["trust"]) == ("digits", "4", "joint-dp", "local")
     assert float(row["epsilon"]) == 8.0 and row["seeds"] == "1"
     assert 0.0 < float(row["acc_mean"]) <= 1.0
+    assert row["coupling"] == "decoupled"
     assert float(last) == pytest.approx(float(row["acc_mean"]), abs=1e-4)
     results = (out / "runs").rglob("results.json")
     assert any(results)

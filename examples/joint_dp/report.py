@@ -2,8 +2,8 @@
 
     python examples/joint_dp/report.py [--results results/joint_dp]
 
-Reads ``table1.csv``, ``figure1.csv``, ``table2.csv``, ``table4.csv`` (whichever
-exist) and writes ``figure1.png`` and ``tables.md`` beside them. Figure 1: mean
+Reads ``table1.csv``, ``figure1.csv``, ``table2.csv``, ``table4.csv``,
+``table1_interleaved.csv`` and ``tuning.csv`` (whichever exist) and writes ``figure1.png`` and ``tables.md`` beside them. Figure 1: mean
 personalized test accuracy against epsilon for joint-DP and full-DP (error bars:
 std over seeds), per-silo training as a dashed line, one panel per n.
 """
@@ -108,6 +108,20 @@ def main() -> int:
     if t4:
         parts += ["### Table 4 (user level)", generic(t4, ("dataset", "owners", "method", "trust", "epsilon",
                                                            "records_per_user"))]
+    inter = read_rows(res / "table1_interleaved.csv")
+    if inter:
+        parts += ["### Joint-DP with interleaved personal layers (the paper's Algorithm 1; "
+                  "record-level guarantee not established, for comparison only)",
+                  generic(inter, ("dataset", "owners", "method", "trust", "epsilon"))]
+    tuning = read_rows(res / "tuning.csv")
+    if tuning:
+        keys = ("dataset", "owners", "method", "trust", "epsilon", "coupling", "validation_fraction",
+                "learning_rate", "personal_learning_rate", "noise_multiplier", "final_epsilon")
+        lines = ["| " + " | ".join(keys) + " | validation accuracy |", "|" + "---|" * (len(keys) + 1)]
+        lines += ["| " + " | ".join(r.get(k, "") for k in keys) + f" | {float(r['val_acc']):.4f} |"
+                  for r in tuning]
+        parts += ["### Learning-rate tuning on validation splits (`tune.py`; test split not read)",
+                  "\n".join(lines)]
     text = "\n\n".join(parts) + "\n"
     (res / "tables.md").write_text(text)
     print(text)

@@ -70,6 +70,8 @@ def done(rows: list[dict[str, str]], cell: Cell) -> bool:
             continue
         if cell.method == "joint-dp" and r.get("personal_layers", "fc1") != cell.personal:
             continue
+        if cell.method == "joint-dp" and (r.get("coupling") or "decoupled") != cell.coupling:
+            continue
         if cell.dp and (r["trust"] != cell.trust or float(r["epsilon"]) != cell.epsilon):
             continue
         return True

@@ -20,6 +20,12 @@ Trust models
     gradient sums of one Poisson sample per round and the server (trusted
     aggregator, the paper's billboard model) adds the noise once.
 
+Personal layers (joint-DP) are *decoupled* from the shared release (the default
+``personal-coupling``; see :mod:`flwr_jdp.training.owner_round`): the paper's
+Algorithm 1 takes the shared gradients through personal layers trained without
+noise, which leaves its record-level guarantee unproven, so ``--coupling
+interleaved`` reproduces it only for comparison.
+
 Hyperparameters (learning rates, clipping norm, batch size, GroupNorm) come from
 :data:`HPARAMS`. They were fixed a priori and never tuned on the test split. Tuning
 on a validation split (``--validation-fraction``) has not been run yet.
@@ -42,7 +48,8 @@ from ..config import parse_config
 METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
 TRUST = ("local", "central")
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "seeds", "acc_mean", "acc_std",
-           "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds")
+           "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds", "coupling")
+COUPLINGS = ("decoupled", "interleaved")
 
 #: The paper's Table 3: n -> (local epochs E, global rounds T).
 PAPER_SCHEDULE = {4: (20, 10), 16: (10, 10), 64: (10, 10), 128: (5, 20), 256: (5, 20), 512: (5, 20)}
@@ -90,6 +97,7 @@ class Cell:
     epsilon: float = 1.0
     records_per_user: int = 1
     personal: str = "fc1"
+    coupling: str = "decoupled"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -100,6 +108,8 @@ class Cell:
             raise ValueError(f"--personal must be one of {tuple(PERSONAL_RULES)}, got {self.personal!r}")
         if self.owners < 1:
             raise ValueError(f"--owners must be >= 1, got {self.owners}")
+        if self.coupling not in COUPLINGS:
+            raise ValueError(f"--coupling must be one of {COUPLINGS}, got {self.coupling!r}")
         if self.method == "joint-dp" and self.personal == "none":
             raise ValueError("joint-dp with no personal layers is full-dp: use --method full-dp")
         if self.dp and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
@@ -113,7 +123,8 @@ class Cell:
     def name(self) -> str:
         eps = f"eps{self.epsilon:g}" if self.dp else "nodp"
         return (f"{self.dataset}-n{self.owners}-{self.method}-{self.trust}-{eps}"
-                f"-mr{self.records_per_user}-{self.personal}")
+                f"-mr{self.records_per_user}-{self.personal}"
+                + ("-interleaved" if self.method == "joint-dp" and self.coupling == "interleaved" else ""))
 
 
 def schedule_for(owners: int) -> tuple[int, int]:
@@ -153,6 +164,7 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
     }
     if cell.method == "joint-dp":
         cfg["personal-layers"] = PERSONAL_RULES[cell.personal]
+        cfg["personal-coupling"] = cell.coupling
     cfg.update(HPARAMS[(cell.method, "central" if cell.dp and cell.trust == "central" else "local")])
     cfg.update(extra or {})
     parse_config(cfg)  # fail early with the key's name
@@ -200,6 +212,7 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
         "records_per_user": cell.records_per_user, "personal_layers": cell.personal,
         "local_epochs": (cfg or {}).get("local-epochs", ""), "rounds": (cfg or {}).get("num-rounds", ""),
         "seconds": round(seconds, 1),
+        "coupling": cell.coupling if cell.method == "joint-dp" else "-",
     }
     append_row(out / table, row)
     return row

@@ -118,7 +118,9 @@ def train_dp_sgd(
 ) -> float:
     """Run ``steps`` DP-SGD steps on the shared parameters; returns the mean loss.
 
-    ``user_ids`` selects the user unit (None: record unit).
+    ``user_ids`` selects the user unit (None: record unit). ``personal_lr = 0``
+    leaves the personal parameters untouched (the decoupled coupling, whose
+    personal parameters are public and frozen).
     """
     xt, yt = to_tensors(x, y)
     unit_of_record, num_units = _unit_index(len(yt), user_ids)
@@ -139,7 +141,7 @@ def train_dp_sgd(
                 sums = [torch.zeros_like(p) for p in shared]
             for p, g in zip(shared, mech.release_torch(sums, generator), strict=False):
                 p.add_(g, alpha=-lr)
-            if len(batch.records):
+            if len(batch.records) and personal_lr > 0:
                 for p in personal:
                     p.add_(p.grad / len(batch.records), alpha=-personal_lr)
         if len(batch.records):

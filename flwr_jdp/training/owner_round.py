@@ -16,10 +16,34 @@ owner        central     update clipped to C (server adds the noise)
 Personal parameters are trained on the owner's data without noise in every case.
 No training loss or other data-dependent statistic is returned (it would not be
 covered by the DP guarantee).
+
+Personal coupling (record and user units; ``personal-coupling``)
+    DP-SGD's per-step guarantee (sensitivity ``C`` per unit, composed adaptively)
+    needs each step's gradient function to depend on the data only through the
+    unit being differentiated and through earlier *released* outputs. Personal
+    parameters trained without noise on the owner's data break this: removing one
+    record changes them, and through them every other record's shared gradient, so
+    one step's sensitivity is no longer bounded by ``C``.
+
+    ``decoupled`` (default) keeps the guarantee. The release is computed on a copy
+    of the model whose personal parameters hold their *public* seeded initial
+    values and are frozen, so the shared release is plain DP-SGD (local) or a plain
+    clipped sum (central) and the ledger's event is exact. The owner's own personal
+    parameters are fitted separately (:func:`fit_personal`) with the shared
+    parameters frozen at the broadcast values: a function of public DP output and
+    the owner's own data (the billboard model), so the joint-DP guarantee holds.
+
+    ``interleaved`` is the joint-DP paper's Algorithm 1: personal parameters are
+    updated on the same batches and the shared gradients are taken through them.
+    The ledger then records the DP-SGD event, but the record/user-level guarantee
+    is *not* established; it is kept only to reproduce the paper and is logged as
+    such. With the owner unit the owner's whole update is the unit, so coupling is
+    irrelevant there and personal parameters train on the same batches.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +53,7 @@ from torch import nn
 from .. import protocol
 from ..config import JobConfig
 from ..data.partition import OwnerData
-from ..params import ParamSplit, get_arrays
+from ..params import ParamSplit, get_arrays, set_arrays
 from ..privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
 from ..privacy.units import NoisePlacement, PrivacyUnit
 from .dp_sgd import clipped_gradient_sum, train_dp_sgd
@@ -56,6 +80,39 @@ def release_kind(cfg: JobConfig) -> str:
     return protocol.KIND_PARAMS
 
 
+def fit_personal(model: nn.Module, split: ParamSplit, data: OwnerData, cfg: JobConfig,
+                 generator: torch.Generator) -> float:
+    """Fit the owner's personal parameters on its own training data, shared
+    parameters frozen (``local-epochs`` epochs of SGD at ``personal-learning-rate``);
+    returns the mean loss (for the owner's own log only).
+
+    Used by the decoupled coupling. Nothing it computes is released: with the shared
+    parameters at the broadcast (DP) values, the result is a function of public DP
+    output and the owner's own data, which joint DP allows.
+    """
+    params = dict(model.named_parameters())
+    personal = [params[n] for n in split.personal]
+    return train_plain(model, personal, data.x_train, data.y_train, epochs=cfg.local_epochs,
+                       batch_size=cfg.batch_size, lr=cfg.personal_learning_rate,
+                       generator=generator)
+
+
+def release_model(model: nn.Module, split: ParamSplit,
+                  public_personal: dict[str, np.ndarray]) -> nn.Module:
+    """A copy of ``model`` whose personal parameters hold the public values
+    ``public_personal`` and are frozen: the model a decoupled release is computed
+    on (its shared gradients do not depend on the owner's personal state)."""
+    missing = set(split.personal) - set(public_personal)
+    if missing:
+        raise ValueError(f"public values missing for personal parameters {sorted(missing)}")
+    out = copy.deepcopy(model)
+    set_arrays(out, {n: public_personal[n] for n in split.personal})
+    params = dict(out.named_parameters())
+    for n in split.personal:
+        params[n].requires_grad_(False)
+    return out
+
+
 def train_owner_round(
     model: nn.Module,
     split: ParamSplit,
@@ -63,11 +120,21 @@ def train_owner_round(
     cfg: JobConfig,
     plan: OwnerPlan,
     generator: torch.Generator,
+    public_personal: dict[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], float]:
     """Train one owner for one round; return (release arrays, local training loss).
 
-    The loss is for the owner's own log only and must not be sent.
+    The loss is for the owner's own log only and must not be sent. Under the
+    decoupled coupling (``cfg.decoupled``) ``public_personal`` (the seeded initial
+    personal values) is required, the release is computed on
+    :func:`release_model`, and ``model`` (with the owner's personal state) is left
+    as it came: fit its personal parameters with :func:`fit_personal`.
     """
+    if cfg.decoupled:
+        if public_personal is None:
+            raise ValueError("the decoupled coupling needs the public initial personal values")
+        return _decoupled_release(release_model(model, split, public_personal), split, data,
+                                  cfg, plan, generator)
     params = dict(model.named_parameters())
     shared = [params[n] for n in split.shared]
     personal = [params[n] for n in split.personal]
@@ -107,4 +174,23 @@ def train_owner_round(
                         clipping_norm=cfg.clipping_norm, sample_rate=plan.sample_rate,
                         steps=plan.steps, lr=cfg.learning_rate,
                         personal_lr=cfg.personal_learning_rate, generator=generator)
+    return dict(get_arrays(model, split.shared)), loss
+
+
+def _decoupled_release(model: nn.Module, split: ParamSplit, data: OwnerData, cfg: JobConfig,
+                       plan: OwnerPlan, generator: torch.Generator) -> tuple[dict[str, np.ndarray], float]:
+    """Record/user-unit release on a model whose personal parameters are public
+    and frozen: DP-SGD on the shared parameters (local noise) or one clipped
+    gradient sum (central noise). No personal parameter is updated."""
+    user_ids = data.user_ids if cfg.unit is PrivacyUnit.USER else None
+    if release_kind(cfg) == protocol.KIND_GRAD_SUM:
+        sums, _ = clipped_gradient_sum(model, split, data.x_train, data.y_train,
+                                       user_ids=user_ids, clipping_norm=cfg.clipping_norm,
+                                       sample_rate=plan.sample_rate, generator=generator)
+        return dict(zip(split.shared, sums, strict=False)), float("nan")
+    loss = train_dp_sgd(model, split, data.x_train, data.y_train, user_ids=user_ids,
+                        noise_multiplier=plan.noise_multiplier,
+                        clipping_norm=cfg.clipping_norm, sample_rate=plan.sample_rate,
+                        steps=plan.steps, lr=cfg.learning_rate, personal_lr=0.0,
+                        generator=generator)
     return dict(get_arrays(model, split.shared)), loss

@@ -1,0 +1,110 @@
+"""Tune a joint-DP-paper cell's learning rates on a validation split, never on test.
+
+Each grid point is one Flower simulation of the project's apps
+(:func:`flwr_jdp.reproduce.joint_dp.run_seed`, Ray backend), the same as a table
+cell, except that ``validation-fraction`` carves a validation split out of every
+owner's *training* records: the owners train on the rest, and the accuracy that is
+reported, and used to choose, is on that validation split. The test split is not
+read. The privacy schedule (noise multiplier, epsilon) is that of the smaller
+training split, at the same target epsilon.
+
+    python examples/joint_dp/tune.py --owners 256 --method joint-dp --trust local \\
+        --learning-rates 0.02 0.05 0.1 0.2 --data-dir ../shared/data/fashion-mnist
+
+Appends one row per grid point to ``results/joint_dp/tuning.csv`` (points already
+there are skipped) and prints the best point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+
+from flwr_jdp.reproduce.joint_dp import HPARAMS, Cell, read_rows, run_seed
+
+ROOT = Path(__file__).resolve().parents[2]
+COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
+           "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
+           "final_epsilon", "val_acc", "seconds")
+
+
+def _hparams(cell: Cell) -> dict:
+    return HPARAMS[(cell.method, "central" if cell.dp and cell.trust == "central" else "local")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default="fashion-mnist", choices=("fashion-mnist", "mnist"))
+    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "fashion-mnist"))
+    parser.add_argument("--owners", type=int, required=True)
+    parser.add_argument("--method", choices=("per-silo", "fedavg", "full-dp", "joint-dp"), required=True)
+    parser.add_argument("--trust", choices=("local", "central"), default="local")
+    parser.add_argument("--epsilon", type=float, default=1.0)
+    parser.add_argument("--personal", default="fc1")
+    parser.add_argument("--learning-rates", type=float, nargs="+", required=True,
+                        help="shared learning rates to try")
+    parser.add_argument("--personal-learning-rates", type=float, nargs="*", default=[],
+                        help="personal learning rates to try (default: the cell's)")
+    parser.add_argument("--validation-fraction", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--supernodes", type=int, default=2)
+    parser.add_argument("--out", default=str(ROOT / "results" / "joint_dp"))
+    args = parser.parse_args()
+    if not 0 < args.validation_fraction < 1:
+        parser.error("--validation-fraction must be in (0, 1): tuning never reads the test split")
+
+    cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon, 1, args.personal)
+    base = _hparams(cell)
+    personal_lrs = args.personal_learning_rates or [base["personal-learning-rate"]]
+    table = Path(args.out) / "tuning.csv"
+    work = Path(args.out) / "tuning_runs"
+    rows = read_rows(table)
+    for lr in args.learning_rates:
+        for plr in personal_lrs:
+            key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
+                   f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}")
+            if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"],
+                    r["personal_layers"], r["learning_rate"], r["personal_learning_rate"]) == key
+                   for r in rows):
+                print(f"skip lr={lr:g} personal lr={plr:g} (in {table.name})", flush=True)
+                continue
+            t0 = time.time()
+            res = run_seed(cell, args.seed, args.data_dir, work / f"lr{lr:g}-plr{plr:g}",
+                           args.supernodes, validation_fraction=args.validation_fraction,
+                           extra={"learning-rate": lr, "personal-learning-rate": plr})
+            if res.get("final_accuracy") is None:
+                raise RuntimeError(f"lr={lr:g}: no round completed (status {res.get('status')})")
+            row = dict(zip(COLUMNS, (*key[:6], res["config"].get("personal-coupling", ""),
+                                     args.validation_fraction, *key[6:],
+                                     res.get("noise_multiplier", 0.0),
+                                     round(float(res.get("final_epsilon", 0.0)), 4),
+                                     round(float(res["final_accuracy"]), 4),
+                                     round(time.time() - t0, 1)), strict=True))
+            _append(table, row)
+            rows.append({k: str(v) for k, v in row.items()})
+            print(f"lr={lr:g} personal lr={plr:g}: validation accuracy {row['val_acc']:.4f} "
+                  f"(z {row['noise_multiplier']}, epsilon {row['final_epsilon']})", flush=True)
+    mine = [r for r in rows if (r["dataset"], r["owners"], r["method"], r["trust"], r["personal_layers"])
+            == (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-", cell.personal)
+            and r["epsilon"] == (f"{cell.epsilon:g}" if cell.dp else "inf")]
+    best = max(mine, key=lambda r: float(r["val_acc"]))
+    print(f"best on validation: lr={best['learning_rate']} personal lr={best['personal_learning_rate']} "
+          f"-> {float(best['val_acc']):.4f}", flush=True)
+    return 0
+
+
+def _append(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
