@@ -61,3 +61,28 @@ def test_reproduce_one_cell_through_flower_simulation(tmp_path, capsys):
     assert float(last) == pytest.approx(float(row["acc_mean"]), abs=1e-4)
     results = (out / "runs").rglob("results.json")
     assert any(results)
+
+
+def test_a_finished_seed_is_reused_not_rerun(tmp_path, monkeypatch):
+    """An interrupted sweep continues: a seed whose results.json says completed for
+    the same configuration is returned without a new simulation; any other is run."""
+    import json
+
+    import flwr_jdp.simulation as simulation
+    from flwr_jdp.reproduce.joint_dp import run_seed
+
+    cell = Cell("digits", 4, "joint-dp", "local", 8.0)
+    seed_dir = tmp_path / "runs" / cell.name / "seed0"
+    seed_dir.mkdir(parents=True)
+    cfg = parse_config(run_config(cell, 0, "", str(seed_dir))).to_dict()
+    (seed_dir / "results.json").write_text(json.dumps(
+        {"status": "completed", "config": {**cfg, "results-dir": "elsewhere"}, "final_accuracy": 0.5,
+         "wall_seconds": 3.0}))
+    calls = []
+    monkeypatch.setattr(simulation, "simulate", lambda *a, **k: calls.append(a) or {"seconds": 0.0})
+    res = run_seed(cell, 0, "", tmp_path / "runs")
+    assert res["final_accuracy"] == 0.5 and res["timing"]["reused"] and not calls
+    # a different configuration (more rounds) is not reused
+    with pytest.raises(FileNotFoundError):
+        run_seed(cell, 0, "", tmp_path / "runs2", rounds=3)
+    assert len(calls) == 1

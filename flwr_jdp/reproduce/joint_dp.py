@@ -173,11 +173,26 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
 
 def run_seed(cell: Cell, seed: int, data_dir: str, work_dir: Path, supernodes: int = 2,
              ray_address: str | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Run one seed of ``cell`` as a Flower simulation; return its results.json."""
+    """Run one seed of ``cell`` as a Flower simulation; return its results.json.
+
+    A seed whose ``results.json`` already says ``completed`` for the same
+    configuration (all keys but ``results-dir``) is not run again: its results are returned as they are."""
+    from flwr_jdp.strategies.checkpoint import config_digest
+
     from ..simulation import simulate
 
     results_dir = work_dir / cell.name / f"seed{seed}"
     cfg = run_config(cell, seed, data_dir, str(results_dir), **kwargs)
+    done = results_dir / "results.json"
+    if done.is_file():  # a finished seed of exactly this configuration is reused
+        old = json.loads(done.read_text())
+        def digest(config: dict[str, Any]) -> str:
+            return config_digest({k: v for k, v in config.items() if k != "results-dir"})
+
+        if (old.get("status") == "completed"
+                and digest(old.get("config", {})) == digest(parse_config(cfg).to_dict())):
+            old["timing"] = {"seconds": float(old.get("wall_seconds", 0.0)), "reused": True}
+            return old
     nodes = max(1, min(supernodes, cell.owners))
     timing = simulate("joint-dp", cfg, num_supernodes=nodes, ray_address=ray_address)
     out = json.loads((results_dir / "results.json").read_text())
