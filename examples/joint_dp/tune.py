@@ -18,12 +18,11 @@ there are skipped) and prints the best point.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
 
-from flwr_jdp.reproduce.joint_dp import HPARAMS, Cell, read_rows, run_seed
+from flwr_jdp.reproduce.joint_dp import HPARAMS, Cell, append_row, read_rows, run_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
@@ -83,7 +82,7 @@ def main() -> int:
                                      round(float(res.get("final_epsilon", 0.0)), 4),
                                      round(float(res["final_accuracy"]), 4),
                                      round(time.time() - t0, 1)), strict=True))
-            _append(table, row)
+            append_row(table, row, COLUMNS)
             rows.append({k: str(v) for k, v in row.items()})
             print(f"lr={lr:g} personal lr={plr:g}: validation accuracy {row['val_acc']:.4f} "
                   f"(z {row['noise_multiplier']}, epsilon {row['final_epsilon']})", flush=True)
@@ -94,16 +93,6 @@ def main() -> int:
     print(f"best on validation: lr={best['learning_rate']} personal lr={best['personal_learning_rate']} "
           f"-> {float(best['val_acc']):.4f}", flush=True)
     return 0
-
-
-def _append(path: Path, row: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
 
 
 if __name__ == "__main__":

@@ -233,15 +233,15 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
     return row
 
 
-def append_row(path: Path, row: dict[str, Any]) -> None:
-    """Append ``row`` to the CSV at ``path`` (header written once)."""
+def append_row(path: Path, row: dict[str, Any], columns: tuple[str, ...] = COLUMNS) -> None:
+    """Append ``row`` to the CSV at ``path`` (header ``columns`` written once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer = csv.DictWriter(fh, fieldnames=columns)
         if new:
             writer.writeheader()
-        writer.writerow({k: row.get(k, "") for k in COLUMNS})
+        writer.writerow({k: row.get(k, "") for k in columns})
 
 
 def read_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
