@@ -5,16 +5,18 @@
 Reads ``table1.csv``, ``figure1.csv``, ``table2.csv``, ``table4.csv``,
 ``table1_interleaved.csv`` and ``tuning.csv`` (whichever exist) and writes ``figure1.png`` and ``tables.md`` beside them. Figure 1: mean
 personalized test accuracy against epsilon for joint-DP and full-DP (error bars:
-std over seeds), per-silo training as a dashed line, one panel per n.
+std over seeds), per-silo training as a dashed line, one panel per n; local-noise curves solid,
+central-noise curves dotted. Table 1's epsilon = 1 cells are points of the curves.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from flwr_jdp.reproduce.joint_dp import read_rows
+from flwr_jdp.reproduce.joint_dp import Cell, read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,12 +44,69 @@ def table1(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def cell_of(row: dict[str, str]) -> Cell:
+    """The cell a table row was produced by."""
+    dp = row["method"] in ("full-dp", "joint-dp")
+    return Cell(row["dataset"], int(row["owners"]), row["method"], row["trust"] if dp else "local",
+                float(row["epsilon"]) if dp else 1.0, int(row.get("records_per_user") or 1),
+                row.get("personal_layers") or "fc1",
+                (row.get("coupling") or "decoupled") if row["method"] == "joint-dp" else "decoupled")
+
+
+def run_seconds(runs: Path, cell: Cell) -> list[float]:
+    """Wall seconds of each finished seed of ``cell`` (from its results.json)."""
+    base = runs / cell.name
+    files = sorted(base.glob("seed*/results.json")) or sorted(base.glob("results.json"))
+    out = []
+    for f in files:
+        res = json.loads(f.read_text())
+        if res.get("status") == "completed" and res.get("wall_seconds"):
+            out.append(float(res["wall_seconds"]))
+    return out
+
+
+def timing(rows: list[dict[str, str]], runs: Path) -> str:
+    """Wall time of one seed of every Table 1 cell and of a whole row (one seed
+    per cell), and seconds per client-round (wall / (owners x rounds))."""
+    lines = ["| n | method | trust | seeds timed | s per run | s per client-round |", "|---|---|---|---|---|---|"]
+    totals: dict[int, float] = {}
+    seen = set()
+    for r in sorted(rows, key=lambda r: (int(r["owners"]), r["method"], r["trust"])):
+        cell = cell_of(r)
+        if cell.name in seen or cell.records_per_user != 1 or (cell.dp and cell.epsilon != 1.0):
+            continue
+        seen.add(cell.name)
+        secs = run_seconds(runs, cell)
+        if not secs:
+            continue
+        mean = sum(secs) / len(secs)
+        per = mean / (cell.owners * int(r["rounds"] or 1))
+        totals[cell.owners] = totals.get(cell.owners, 0.0) + mean
+        lines.append(f"| {cell.owners} | {cell.method} | {r['trust']} | {len(secs)} | {mean:.0f} | {per:.3f} |")
+    lines += [""] + [f"Row n = {n} (one seed of each cell run): {t:.0f} s ({t / 60:.1f} min)"
+                     for n, t in sorted(totals.items())]
+    return "\n".join(lines)
+
+
 def generic(rows: list[dict[str, str]], keys: tuple[str, ...]) -> str:
     """A plain table of ``keys`` plus accuracy."""
     lines = ["| " + " | ".join(keys) + " | accuracy (seeds) |", "|" + "---|" * (len(keys) + 1)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + f" | {_fmt(r)} |")
     return "\n".join(lines)
+
+
+#: Figure 1 curves: (method, trust) -> (colour, line style).
+_CURVES = {("joint-dp", "local"): ("tab:blue", "-"), ("full-dp", "local"): ("tab:orange", "-"),
+           ("joint-dp", "central"): ("tab:blue", ":"), ("full-dp", "central"): ("tab:orange", ":")}
+
+
+def _figure_point(r: dict[str, str], n: int, method: str, trust: str) -> bool:
+    """True if row ``r`` is a Figure 1 point of this curve: record level, FC1
+    personal, decoupled (Table 1 rows at epsilon = 1 count too)."""
+    return (int(r["owners"]) == n and r["method"] == method and r["trust"] == trust
+            and int(r.get("records_per_user") or 1) == 1 and r.get("personal_layers", "fc1") == "fc1"
+            and (r.get("coupling") or "decoupled") in ("decoupled", "-"))
 
 
 def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path: Path) -> bool:
@@ -60,14 +119,16 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
     ns = sorted({int(r["owners"]) for r in fig_rows})
     if not ns:
         return False
-    fig, axes = plt.subplots(1, len(ns), figsize=(4 * len(ns), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(ns), figsize=(max(5.5, 4 * len(ns)), 3.6), squeeze=False)
     for ax, n in zip(axes[0], ns, strict=False):
-        for method, color in (("joint-dp", "tab:blue"), ("full-dp", "tab:orange")):
-            pts = sorted((float(r["epsilon"]), float(r["acc_mean"]), float(r["acc_std"]))
-                         for r in fig_rows if int(r["owners"]) == n and r["method"] == method)
-            if pts:
-                eps, acc, std = zip(*pts, strict=False)
-                ax.errorbar(eps, acc, yerr=std, marker="o", color=color, label=method, capsize=3)
+        for (method, trust), (color, style) in _CURVES.items():
+            pts = sorted({float(r["epsilon"]): (float(r["acc_mean"]), float(r["acc_std"]))
+                          for r in t1_rows + fig_rows
+                          if _figure_point(r, n, method, trust)}.items())
+            if pts and any(_figure_point(r, n, method, trust) for r in fig_rows):
+                eps = [e for e, _ in pts]
+                ax.errorbar(eps, [a for _, (a, _) in pts], yerr=[s for _, (_, s) in pts], marker="o",
+                            color=color, ls=style, label=f"{method} ({trust})", capsize=3)
         silo = [float(r["acc_mean"]) for r in t1_rows + fig_rows
                 if int(r["owners"]) == n and r["method"] == "per-silo"]
         if silo:
@@ -81,7 +142,7 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
     axes[0][0].legend(loc="lower right", fontsize=8)
     datasets = sorted({r["dataset"] for r in fig_rows})
     trusts = sorted({r["trust"] for r in fig_rows})
-    fig.suptitle(f"Figure 1 ({', '.join(datasets)}; trust: {', '.join(trusts)}; delta = 1e-4)")
+    fig.suptitle(f"Figure 1 ({', '.join(datasets)}; trust: {', '.join(trusts)}; delta = 1e-4)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -99,7 +160,9 @@ def main() -> int:
     t4 = read_rows(res / "table4.csv")
     parts = []
     if t1:
-        parts += ["### Table 1 (ε = 1, δ = 1e-4)", table1(t1)]
+        parts += ["### Table 1 (ε = 1, δ = 1e-4)", table1(t1),
+                  "### Wall time of the Table 1 cells (2-core CPU, Flower Ray simulation, 2 SuperNodes)",
+                  timing(t1, res / "runs")]
     if f1:
         parts += ["### Figure 1 points", generic(f1, ("dataset", "owners", "method", "trust", "epsilon"))]
         figure1(f1, t1, res / "figure1.png")

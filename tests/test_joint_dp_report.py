@@ -1,0 +1,68 @@
+"""The joint-DP report: timing comes from the runs' results.json, Figure 1 curves
+keep the trust models apart and take Table 1's epsilon = 1 cells as points."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from flwr_jdp.reproduce.joint_dp import Cell, append_row
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("jdp_report", ROOT / "examples" / "joint_dp" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(cell: Cell, acc: float, rounds: int = 20) -> dict:
+    return {"dataset": cell.dataset, "owners": cell.owners, "method": cell.method,
+            "trust": cell.trust if cell.dp else "-", "epsilon": cell.epsilon if cell.dp else "inf",
+            "seeds": 1, "acc_mean": acc, "acc_std": 0.0, "records_per_user": 1, "personal_layers": "fc1",
+            "local_epochs": 5, "rounds": rounds, "seconds": 1.0,
+            "coupling": cell.coupling if cell.method == "joint-dp" else "-"}
+
+
+def _finished(runs: Path, cell: Cell, seed: int, seconds: float, status: str = "completed") -> None:
+    d = runs / cell.name / f"seed{seed}"
+    d.mkdir(parents=True)
+    (d / "results.json").write_text(json.dumps({"status": status, "wall_seconds": seconds}))
+
+
+def test_timing_is_mean_wall_seconds_per_seed_and_per_client_round(tmp_path):
+    report = _report()
+    jdp = Cell("fashion-mnist", 8, "joint-dp", "local", 1.0)
+    fed = Cell("fashion-mnist", 8, "fedavg")
+    _finished(tmp_path, jdp, 0, 100.0)
+    _finished(tmp_path, jdp, 1, 140.0)
+    _finished(tmp_path, jdp, 2, 999.0, status="interrupted")  # not counted
+    _finished(tmp_path, fed, 0, 80.0)
+    rows = [{k: str(v) for k, v in _row(c, 0.5).items()} for c in (jdp, fed)]
+    text = report.timing(rows, tmp_path)
+    assert "| 8 | joint-dp | local | 2 | 120 | 0.750 |" in text  # 120 s / (8 owners x 20 rounds)
+    assert "| 8 | fedavg | - | 1 | 80 | 0.500 |" in text
+    assert "Row n = 8 (one seed of each cell run): 200 s" in text
+
+
+def test_figure1_points_keep_trust_models_apart_and_include_table1(tmp_path):
+    report = _report()
+    rows = {}
+    for trust in ("local", "central"):
+        rows[trust] = {k: str(v) for k, v in _row(Cell("fashion-mnist", 8, "joint-dp", trust, 1.0), 0.7).items()}
+    assert report._figure_point(rows["local"], 8, "joint-dp", "local")
+    assert not report._figure_point(rows["local"], 8, "joint-dp", "central")
+    assert not report._figure_point(rows["central"], 16, "joint-dp", "central")
+    interleaved = dict(rows["local"], coupling="interleaved")
+    assert not report._figure_point(interleaved, 8, "joint-dp", "local")
+
+    append_row(tmp_path / "table1.csv", _row(Cell("fashion-mnist", 8, "joint-dp", "central", 1.0), 0.7))
+    append_row(tmp_path / "figure1.csv", _row(Cell("fashion-mnist", 8, "joint-dp", "central", 2.0), 0.75))
+    from flwr_jdp.reproduce.joint_dp import read_rows
+
+    assert report.figure1(read_rows(tmp_path / "figure1.csv"), read_rows(tmp_path / "table1.csv"),
+                          tmp_path / "figure1.png")
+    assert (tmp_path / "figure1.png").stat().st_size > 0
