@@ -40,7 +40,6 @@ import json
 import math
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,7 +208,6 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
     """Run ``seeds`` seeds of ``cell`` and append one row to ``out_dir/table``."""
     out = Path(out_dir)
     accs, seconds = [], 0.0
-    t0 = time.time()
     cfg = None
     for seed in range(seeds):
         res = run_seed(cell, seed, data_dir, out / "runs", supernodes, ray_address, **kwargs)
@@ -217,11 +215,11 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
             raise RuntimeError(f"{cell.name} seed {seed}: no round completed "
                                f"(status {res.get('status')})")
         accs.append(float(res["final_accuracy"]))
+        seconds += float(res["timing"]["seconds"])  # a reused seed counts its recorded wall time
         cfg = res.get("config", {})
         print(f"[{cell.name}] seed {seed}: accuracy {accs[-1]:.4f}, epsilon "
               f"{res.get('final_epsilon', 0.0):.4f} ({res.get('status')}), "
               f"{res['timing']['seconds']:.0f}s", flush=True)
-    seconds = time.time() - t0
     row = {
         "dataset": cell.dataset, "owners": cell.owners, "method": cell.method,
         "trust": cell.trust if cell.dp else "-", "epsilon": cell.epsilon if cell.dp else "inf",
