@@ -105,3 +105,20 @@ def test_screened_epsilon_equals_max_over_all_scopes():
     fresh = PrivacyLedger(delta=1e-5, accountant="pld", unit="subject")
     fresh.scopes = ledger.scopes
     assert fresh.epsilon() == brute
+
+
+def test_pld_calibration_is_settled_on_the_ledger_grid():
+    """Calibration searches on a coarse PLD grid but decides on the ledger's own
+    grid: several owners' events, many steps (where the grids differ most)."""
+    from flwr_jdp.privacy.accountants import PLD_COARSE_DISCRETIZATION
+
+    target = 4.0
+
+    def events(z):
+        return [ev.dp_sgd(z, 0.0032, 3125), ev.dp_sgd(z, 0.01, 1000)]
+
+    z = calibrate(target, 1e-5, events, "pld")
+    reached = max(epsilon(e, 1e-5, "pld") for e in events(z))
+    assert (1 - 0.005) * target <= reached <= target
+    coarse = max(epsilon(e, 1e-5, "pld", discretization=PLD_COARSE_DISCRETIZATION) for e in events(z))
+    assert coarse >= reached  # the coarse grid is the looser upper bound

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import dp_accounting as dpa
 
-from .accountants import epsilon
+from .accountants import PLD_COARSE_DISCRETIZATION, PLD_DISCRETIZATION, epsilon
 
 #: Smallest noise multiplier calibration will return.
 MIN_NOISE_MULTIPLIER = 0.05
@@ -32,20 +32,53 @@ def calibrate(
     ``event_fn`` may return several events (for example one per owner); the
     maximum of their epsilons must meet the target (joint-DP over disjoint owners).
     ``relation`` is the neighbouring relation (see :mod:`.accountants`).
+
+    With the PLD accountant the search runs in two stages: a bisection on a coarse
+    PLD grid (:data:`~.accountants.PLD_COARSE_DISCRETIZATION`, about 8 times
+    cheaper), then a short search on the ledger's own grid that starts from the
+    coarse answer. Only the second stage decides, so the guarantee above holds for
+    the epsilon the ledger will report.
     """
     if target_epsilon <= 0:
         raise ValueError(f"target epsilon must be > 0, got {target_epsilon}")
 
-    def eps(z: float, backend: str = accountant) -> float:
-        out = event_fn(z)
-        events = out if isinstance(out, list) else [out]
+    def eps_with(backend: str, discretization: float = PLD_DISCRETIZATION) -> Callable[[float], float]:
         if backend == "rdp" and relation == "replace-one":
             backend = "pld"  # RDP has no replace-one bound for sampled events
-        return max(epsilon(e, delta, backend, relation) for e in events)
 
-    # Bracket cheaply: RDP upper-bounds PLD, so an RDP-calibrated z is feasible.
+        def eps(z: float) -> float:
+            out = event_fn(z)
+            events = out if isinstance(out, list) else [out]
+            return max(epsilon(e, delta, backend, relation, discretization) for e in events)
+        return eps
+
+    if accountant != "pld":
+        return _bisect(eps_with(accountant), eps_with("rdp"), target_epsilon, rel_tol)
+    # Stage 1: the coarse grid, to a tighter tolerance so stage 2 rarely moves.
+    coarse = _bisect(eps_with("pld", PLD_COARSE_DISCRETIZATION), eps_with("rdp"),
+                     target_epsilon, rel_tol / 4.0)
+    # Stage 2: the ledger's grid, bracketing around the coarse answer.
+    eps = eps_with("pld")
+    hi = coarse
+    while eps(hi) > target_epsilon:  # the fine grid is tighter, so this is rare
+        hi *= 1.01
+        if hi > MAX_NOISE_MULTIPLIER:
+            raise ValueError("target epsilon is unreachable with noise multiplier <= 1e4")
+    if eps(hi) >= (1.0 - rel_tol) * target_epsilon or hi <= MIN_NOISE_MULTIPLIER:
+        return hi
+    lo = hi * 0.99
+    while lo > MIN_NOISE_MULTIPLIER and eps(lo) <= target_epsilon:
+        hi, lo = lo, lo * 0.99
+    if lo <= MIN_NOISE_MULTIPLIER and eps(MIN_NOISE_MULTIPLIER) <= target_epsilon:
+        return MIN_NOISE_MULTIPLIER
+    return _narrow(eps, lo, hi, target_epsilon, rel_tol)
+
+
+def _bisect(eps: Callable[[float], float], rdp_eps: Callable[[float], float],
+            target_epsilon: float, rel_tol: float) -> float:
+    """Bisection on ``eps``, bracketed cheaply by ``rdp_eps`` (RDP upper-bounds PLD)."""
     hi = 1.0
-    while eps(hi, "rdp") > target_epsilon:
+    while rdp_eps(hi) > target_epsilon:
         hi *= 2.0
         if hi > MAX_NOISE_MULTIPLIER:
             raise ValueError("target epsilon is unreachable with noise multiplier <= 1e4")
@@ -56,7 +89,13 @@ def calibrate(
         hi, lo = lo, lo / 2.0
     if lo <= MIN_NOISE_MULTIPLIER and eps(MIN_NOISE_MULTIPLIER) <= target_epsilon:
         return MIN_NOISE_MULTIPLIER
-    # Invariant: eps(lo) > target >= eps(hi).
+    return _narrow(eps, lo, hi, target_epsilon, rel_tol)
+
+
+def _narrow(eps: Callable[[float], float], lo: float, hi: float,
+            target_epsilon: float, rel_tol: float) -> float:
+    """Bisect while ``eps(lo) > target >= eps(hi)`` until ``eps(hi)`` is within
+    ``rel_tol`` of the target; returns ``hi``."""
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         if eps(mid) <= target_epsilon:
@@ -66,4 +105,3 @@ def calibrate(
         if eps(hi) >= (1.0 - rel_tol) * target_epsilon or (hi - lo) < 1e-7 * hi:
             break
     return hi
-
