@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .data.datasets import DATASETS
-from .privacy.accountants import ACCOUNTANTS
+from .privacy.backends import ACCOUNTANTS
 from .privacy.units import NoisePlacement, PrivacyUnit
 
 METHODS = ("joint-dp", "full-dp", "fedavg", "per-silo")

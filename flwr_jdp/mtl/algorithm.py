@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flwr_jdp.privacy.accountants import ACCOUNTANTS, RELATIONS
+from flwr_jdp.privacy.backends import ACCOUNTANTS, RELATIONS
 
 from .local import finetune, local_pgd
 from .models import LinearModel

@@ -1,19 +1,28 @@
-"""Privacy core: units, events, accountants, the ledger, calibration, mechanisms."""
+"""Privacy core: units, events, accountants, the ledger, calibration, mechanisms.
 
-from .accountants import ACCOUNTANTS, epsilon
-from .calibration import calibrate
-from .ledger import SERVER_SCOPE, PrivacyLedger, owner_scope
-from .mechanisms import GaussianSumMechanism
-from .units import NoisePlacement, PrivacyUnit
+The names below are imported on first use (PEP 562), so that importing one
+submodule, for example :mod:`.mechanisms` in a ClientApp, does not load
+dp-accounting.
+"""
 
-__all__ = [
-    "ACCOUNTANTS",
-    "GaussianSumMechanism",
-    "NoisePlacement",
-    "PrivacyLedger",
-    "PrivacyUnit",
-    "SERVER_SCOPE",
-    "calibrate",
-    "epsilon",
-    "owner_scope",
-]
+import importlib
+
+_EXPORTS = {
+    "ACCOUNTANTS": "backends",
+    "GaussianSumMechanism": "mechanisms",
+    "NoisePlacement": "units",
+    "PrivacyLedger": "ledger",
+    "PrivacyUnit": "units",
+    "SERVER_SCOPE": "ledger",
+    "calibrate": "calibration",
+    "epsilon": "accountants",
+    "owner_scope": "ledger",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,10 +32,8 @@ import dp_accounting as dpa
 from dp_accounting.pld import PLDAccountant
 
 from . import events as ev
+from .backends import ACCOUNTANTS, RELATIONS
 from .rdp import rdp_epsilon
-
-ACCOUNTANTS = ("pld", "rdp")
-RELATIONS = ("add-remove", "replace-one")
 
 #: PLD discretisation of the privacy loss; dp-accounting's default.
 PLD_DISCRETIZATION = 1e-4

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import dp_accounting as dpa
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # imported on use: a ClientApp process never needs dp-accounting
+    import dp_accounting as dpa
 
 #: Added to norms before dividing, as Opacus does, so clipped norms stay <= C.
 CLIP_EPS = 1e-6
@@ -64,6 +67,8 @@ class GaussianSumMechanism:
 
     def event(self) -> dpa.DpEvent:
         """The privacy event of one release (before any sampling)."""
+        import dp_accounting as dpa
+
         return dpa.GaussianDpEvent(self.noise_multiplier)
 
     def release_torch(
