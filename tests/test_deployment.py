@@ -76,8 +76,6 @@ def _runs(env, fed):
         return []
 
 
-@pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None,
-                    reason="Flower's SuperLink is not installed beside this Python")
 def _descendants_named(root_pid: int, name: str) -> list[int]:
     """PIDs of processes under ``root_pid`` whose command line contains ``name``."""
     parent = {}
@@ -130,34 +128,19 @@ def _wait_finished(env, fed, run_id, tmp, timeout=600):
     raise AssertionError(f"run {run_id} status {status!r} after {timeout}s\n{logs}")
 
 
-def test_joint_dp_runs_on_a_real_superlink_and_three_supernodes(federation, run_config):
-    env, fed, tmp, _, _ = federation
-    results = tmp / "results"
-    overrides = {"num-owners": 6, "num-rounds": 2, "local-epochs": 1, "batch-size": 32,
-                 "noise-multiplier": 0.0, "target-epsilon": 8.0, "resume": False}
-    run_id = _start_run(env, fed, overrides, results)
-    assert _wait_finished(env, fed, run_id, tmp) == "finished:completed"
-    res = json.loads((results / "results.json").read_text())
-    assert res["status"] == "completed"
-    assert (results / "ledger.json").is_file() and (results / "model.npz").is_file()
-    assert res["num_owners"] == 6
-    # personal state kept on every SuperNode across rounds
-    assert [r["personal_rounds_min"] for r in res["history"]] == [1, 2]
-    # epsilon as in an in-process run of the same configuration (3 nodes, same sizes)
-    run_config.update(overrides)
-    run_config["results-dir"] = str(tmp / "inprocess")
-    strategy, _, _ = run_inprocess(run_config, num_nodes=NODES)
-    assert res["final_epsilon"] == pytest.approx(strategy.ledger.epsilon(), rel=1e-9)
-    assert res["noise_multiplier"] == pytest.approx(strategy.noise_multiplier, rel=1e-12)
-
-
 @pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None,
                     reason="Flower's SuperLink is not installed beside this Python")
 def test_serverapp_killed_after_a_round_resumes_with_ledger_and_personal_state(federation, run_config):
-    """SIGKILL the ServerApp process after round 1; `flwr run` again with the same
-    configuration: training resumes from the saved model and ledger (epsilon equals
-    an uninterrupted run's, not reset) and the owners reuse their personal layers
-    from their SuperNode's state-dir."""
+    """The joint-DP app runs on a real SuperLink and three SuperNodes, and survives its
+    ServerApp being killed.
+
+    SIGKILL the ServerApp process after round 1; `flwr run` again with the same
+    configuration: training resumes from the saved model and ledger (epsilon and the
+    calibrated noise multiplier equal an uninterrupted in-process run's, not reset),
+    the results, model and ledger files are written, and the owners reuse their
+    personal layers from their SuperNode's state-dir. (One test covers both the plain
+    deployment and the restart: each deployment run costs minutes of Flower message
+    latency on 2 cores.)"""
     env, fed, tmp, superlink_pid, _ = federation
     results = tmp / "results"
     overrides = {"num-owners": 6, "num-rounds": 3, "local-epochs": 1, "batch-size": 32,
@@ -185,6 +168,8 @@ def test_serverapp_killed_after_a_round_resumes_with_ledger_and_personal_state(f
     assert _wait_finished(env, fed, run2, tmp) == "finished:completed"
     res = load_results(results)
     assert res["status"] == "completed" and [r["round"] for r in res["history"]] == [1, 2, 3]
+    assert (results / "ledger.json").is_file() and (results / "model.npz").is_file()
+    assert res["num_owners"] == 6
     assert res["epsilon"] > eps_mid  # continued from the spent epsilon, not from 0
     assert res["session"] == mid["session"]
     # personal layers continued from the nodes' disks (a fresh state would restart at 1)
@@ -193,6 +178,8 @@ def test_serverapp_killed_after_a_round_resumes_with_ledger_and_personal_state(f
     run_config["results-dir"] = str(tmp / "reference")
     strategy, _, _ = run_inprocess(run_config, num_nodes=NODES)
     assert res["epsilon"] == pytest.approx(strategy.ledger.epsilon(), rel=1e-9)
+    assert res["final_epsilon"] == pytest.approx(strategy.ledger.epsilon(), rel=1e-9)
+    assert res["noise_multiplier"] == pytest.approx(strategy.noise_multiplier, rel=1e-12)
 
 
 @pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None,

@@ -66,3 +66,29 @@ def test_figure1_points_keep_trust_models_apart_and_include_table1(tmp_path):
     assert report.figure1(read_rows(tmp_path / "figure1.csv"), read_rows(tmp_path / "table1.csv"),
                           tmp_path / "figure1.png")
     assert (tmp_path / "figure1.png").stat().st_size > 0
+
+
+def _sampler():
+    path = ROOT / "examples" / "joint_dp" / "simulation_memory.py"
+    spec = importlib.util.spec_from_file_location("jdp_memory", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_memory_samples_name_their_cell_and_report_the_peak_per_cell():
+    sampler = _sampler()
+    argv = ["/venv/bin/python3", "/venv/bin/flwr-jdp", "reproduce", "joint-dp", "--owners", "512",
+            "--method", "fedavg", "--trust", "local", "--seeds", "1"]
+    assert sampler.cell_of_command(argv) == ["512", "fedavg", "local", ""]
+    count, mib, _ = sampler.sample(("python",))  # this test's own process at least
+    assert count >= 1 and mib > 0
+    samples = [dict(zip(sampler.FIELDS, row, strict=True)) for row in (
+        ("1", "9", "2000.0", "512", "fedavg", "local", ""),
+        ("2", "9", "2600.0", "512", "fedavg", "local", ""),
+        ("3", "3", "9000.0", "", "", "", ""),  # between two cells: not counted
+        ("4", "9", "1024.0", "256", "joint-dp", "central", "1"))]
+    text = _report().memory(samples)
+    assert "| 512 | fedavg | local |  | 2 | 2600 | 5.08 |" in text
+    assert "| 256 | joint-dp | central | 1 | 1 | 1024 | 4.00 |" in text
+    assert "9000" not in text

@@ -3,7 +3,8 @@
     python examples/joint_dp/report.py [--results results/joint_dp]
 
 Reads ``table1.csv``, ``figure1.csv``, ``table2.csv``, ``table4.csv``,
-``table1_interleaved.csv`` and ``tuning.csv`` (whichever exist) and writes ``figure1.png`` and ``tables.md`` beside them. Figure 1: mean
+``table1_interleaved.csv``, ``tuning.csv`` and ``memory_*.csv`` (from
+``simulation_memory.py``; whichever exist) and writes ``figure1.png`` and ``tables.md`` beside them. Figure 1: mean
 personalized test accuracy against epsilon for joint-DP and full-DP (error bars:
 std over seeds), per-silo training as a dashed line, one panel per n; local-noise curves solid,
 central-noise curves dotted. Table 1's epsilon = 1 cells are points of the curves.
@@ -85,6 +86,25 @@ def timing(rows: list[dict[str, str]], runs: Path) -> str:
         lines.append(f"| {cell.owners} | {cell.method} | {r['trust']} | {len(secs)} | {mean:.0f} | {per:.3f} |")
     lines += [""] + [f"Row n = {n} (one seed of each cell run): {t:.0f} s ({t / 60:.1f} min)"
                      for n, t in sorted(totals.items())]
+    return "\n".join(lines)
+
+
+def memory(samples: list[dict[str, str]]) -> str:
+    """Peak summed PSS of the simulation's processes per cell (``simulation_memory.py``
+    samples, labelled with the cell running when they were taken), and that peak
+    divided by the number of owners: an upper bound on memory per owner, since it
+    includes Ray's and Flower's fixed cost."""
+    peaks: dict[tuple[int, str, str, str], tuple[float, int]] = {}
+    for r in samples:
+        if not r.get("owners"):
+            continue  # between two cells
+        key = (int(r["owners"]), r["method"], r["trust"], r["epsilon"])
+        peak, count = peaks.get(key, (0.0, 0))
+        peaks[key] = (max(peak, float(r["pss_mib"])), count + 1)
+    lines = ["| n | method | trust | ε | samples | peak PSS (MiB) | peak / owner (MiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for (n, method, trust, eps), (peak, count) in sorted(peaks.items()):
+        lines.append(f"| {n} | {method} | {trust} | {eps} | {count} | {peak:.0f} | {peak / n:.2f} |")
     return "\n".join(lines)
 
 
@@ -171,6 +191,10 @@ def main() -> int:
     if t4:
         parts += ["### Table 4 (user level)", generic(t4, ("dataset", "owners", "method", "trust", "epsilon",
                                                            "records_per_user"))]
+    samples = [r for f in sorted(res.glob("memory_*.csv")) for r in read_rows(f)]
+    if samples:
+        parts += ["### Memory of the simulation (summed PSS of Ray's and Flower's processes, "
+                  "sampled every few seconds by `simulation_memory.py`)", memory(samples)]
     inter = read_rows(res / "table1_interleaved.csv")
     if inter:
         parts += ["### Joint-DP with interleaved personal layers (the paper's Algorithm 1; "
