@@ -84,11 +84,11 @@ def test_memory_samples_name_their_cell_and_report_the_peak_per_cell():
     count, mib, _ = sampler.sample(("python",))  # this test's own process at least
     assert count >= 1 and mib > 0
     samples = [dict(zip(sampler.FIELDS, row, strict=True)) for row in (
-        ("1", "9", "2000.0", "512", "fedavg", "local", ""),
-        ("2", "9", "2600.0", "512", "fedavg", "local", ""),
+        ("1", "9", "2000.0", "512", "fedavg", "local", "1"),
+        ("2", "9", "2600.0", "512", "fedavg", "local", "1"),
         ("3", "3", "9000.0", "", "", "", ""),  # between two cells: not counted
         ("4", "9", "1024.0", "256", "joint-dp", "central", "1"))]
     text = _report().memory(samples)
-    assert "| 512 | fedavg | local |  | 2 | 2600 | 5.08 |" in text
+    assert "| 512 | fedavg | - | - | 2 | 2600 | 5.08 |" in text  # no DP: trust and epsilon unused
     assert "| 256 | joint-dp | central | 1 | 1 | 1024 | 4.00 |" in text
     assert "9000" not in text

@@ -98,7 +98,8 @@ def memory(samples: list[dict[str, str]]) -> str:
     for r in samples:
         if not r.get("owners"):
             continue  # between two cells
-        key = (int(r["owners"]), r["method"], r["trust"], r["epsilon"])
+        dp = r["method"] in ("full-dp", "joint-dp")  # the others ignore --trust and --epsilon
+        key = (int(r["owners"]), r["method"], r["trust"] if dp else "-", r["epsilon"] if dp else "-")
         peak, count = peaks.get(key, (0.0, 0))
         peaks[key] = (max(peak, float(r["pss_mib"])), count + 1)
     lines = ["| n | method | trust | ε | samples | peak PSS (MiB) | peak / owner (MiB) |",
