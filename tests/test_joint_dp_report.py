@@ -92,3 +92,21 @@ def test_memory_samples_name_their_cell_and_report_the_peak_per_cell():
     assert "| 512 | fedavg | - | - | 2 | 2600 | 5.08 |" in text  # no DP: trust and epsilon unused
     assert "| 256 | joint-dp | central | 1 | 1 | 1024 | 4.00 |" in text
     assert "9000" not in text
+
+
+def test_table2_marks_personal_layers_counts_their_parameters_and_keeps_the_latest_row():
+    report = _report()
+    rows = []
+    for rule, acc in (("none", 0.70), ("conv1", 0.60), ("fc1", 0.75), ("fc1", 0.77), ("conv1+conv2+fc1", 0.2)):
+        method = "full-dp" if rule == "none" else "joint-dp"
+        row = _row(Cell("fashion-mnist", 128, method, "central", 1.0), acc)
+        rows.append({k: str(v) for k, v in dict(row, personal_layers=rule).items()})
+    text = report.table2(rows)
+    lines = text.splitlines()
+    assert lines[0] == "| Conv1 | Conv2 | FC1 | personal params | accuracy, central noise |"
+    # conv1: 16 x 1 x 5 x 5 + 16 = 416 (the paper's count); fc1: 32 x 7 x 7 x 10 + 10
+    assert "| No | No | No | 0 | 0.7000 ± 0.0000 (1) |" in lines
+    assert "| YES | No | No | 416 | 0.6000 ± 0.0000 (1) |" in lines
+    assert "| No | No | YES | 15,690 | 0.7700 ± 0.0000 (1) |" in lines  # the later fc1 row
+    assert "| YES | YES | YES | 28,938 | 0.2000 ± 0.0000 (1) |" in lines
+    assert len(lines) == 2 + 4  # rules never run are left out

@@ -34,8 +34,6 @@ def cells(table: str, dataset: str, owners: list[int], trusts: list[str]) -> lis
             out.append(("table1.csv", Cell(dataset, n, "per-silo")))
             out.append(("table1.csv", Cell(dataset, n, "fedavg")))
             for trust in trusts:
-                if trust == "central" and n < 64:
-                    continue
                 out.append(("table1.csv", Cell(dataset, n, "full-dp", trust, 1.0)))
                 out.append(("table1.csv", Cell(dataset, n, "joint-dp", trust, 1.0)))
     elif table == "figure1":
@@ -61,9 +59,12 @@ def cells(table: str, dataset: str, owners: list[int], trusts: list[str]) -> lis
     return out
 
 
-def done(rows: list[dict[str, str]], cell: Cell) -> bool:
-    """True if ``cell`` already has a row."""
+def done(rows: list[dict[str, str]], cell: Cell, seeds: int = 1) -> bool:
+    """True if ``cell`` already has a row over at least ``seeds`` seeds (a row with
+    fewer is rerun: finished seeds are reused, the missing ones run)."""
     for r in rows:
+        if int(r.get("seeds") or 1) < seeds:
+            continue
         if (r["dataset"], int(r["owners"]), r["method"]) != (cell.dataset, cell.owners, cell.method):
             continue
         if int(r.get("records_per_user") or 1) != cell.records_per_user:
@@ -95,10 +96,10 @@ def main() -> int:
     plan = cells(args.table, args.dataset, args.owners, args.trust)
     print(f"{len(plan)} cells", flush=True)
     for csv_name, cell in plan:
-        if done(read_rows(Path(args.out) / csv_name), cell):
-            print(f"skip {cell.name} (in {csv_name})", flush=True)
-            continue
         seeds = 1 if args.quick else (args.seeds or (3 if cell.owners >= 64 else 1))
+        if done(read_rows(Path(args.out) / csv_name), cell, seeds):
+            print(f"skip {cell.name} (in {csv_name} with >= {seeds} seeds)", flush=True)
+            continue
         row = run_cell(cell, seeds, args.data_dir, args.out, supernodes=args.supernodes, table=csv_name)
         print(f"{csv_name}: {row}", flush=True)
     return 0

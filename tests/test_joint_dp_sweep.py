@@ -1,0 +1,52 @@
+"""The joint-DP sweep driver: which cells a table holds, and when a cell counts as done."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from flwr_jdp.reproduce.joint_dp import Cell
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sweep():
+    spec = importlib.util.spec_from_file_location("jdp_sweep", ROOT / "examples" / "joint_dp" / "sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(cell: Cell, seeds: int) -> dict[str, str]:
+    return {"dataset": cell.dataset, "owners": str(cell.owners), "method": cell.method,
+            "trust": cell.trust if cell.dp else "-", "epsilon": str(cell.epsilon) if cell.dp else "inf",
+            "seeds": str(seeds), "records_per_user": "1", "personal_layers": cell.personal,
+            "coupling": cell.coupling if cell.method == "joint-dp" else "-"}
+
+
+def test_table1_has_six_cells_per_n_under_both_trust_models():
+    sweep = _sweep()
+    plan = sweep.cells("1", "fashion-mnist", [4, 256], ["local", "central"])
+    assert len(plan) == 12
+    assert ("table1.csv", Cell("fashion-mnist", 4, "joint-dp", "central", 1.0)) in plan
+
+
+def test_table2_runs_the_eight_personal_rules_at_n128_with_none_as_full_dp():
+    sweep = _sweep()
+    plan = sweep.cells("2", "fashion-mnist", [], ["central"])
+    assert [c.personal for _, c in plan] == ["none", "conv1", "conv2", "conv1+conv2", "fc1", "conv1+fc1",
+                                             "conv2+fc1", "conv1+conv2+fc1"]
+    assert {c.method for _, c in plan[1:]} == {"joint-dp"} and plan[0][1].method == "full-dp"
+    assert {(c.owners, c.trust, c.epsilon) for _, c in plan} == {(128, "central", 1.0)}
+
+
+def test_a_cell_is_done_only_with_enough_seeds_and_the_same_configuration():
+    sweep = _sweep()
+    cell = Cell("fashion-mnist", 256, "joint-dp", "central", 1.0)
+    one_seed = [_row(cell, 1)]
+    assert sweep.done(one_seed, cell, 1)
+    assert not sweep.done(one_seed, cell, 3)  # rerun: seed 0 is reused, seeds 1 and 2 run
+    assert sweep.done(one_seed + [_row(cell, 3)], cell, 3)
+    assert not sweep.done(one_seed, Cell("fashion-mnist", 256, "joint-dp", "local", 1.0), 1)
+    assert not sweep.done(one_seed, Cell("fashion-mnist", 256, "joint-dp", "central", 2.0), 1)
+    assert not sweep.done(one_seed, Cell("fashion-mnist", 256, "joint-dp", "central", 1.0, 1, "conv1"), 1)
