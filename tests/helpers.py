@@ -1,7 +1,8 @@
-"""Run the real JointDP strategy against the real ClientApp in process."""
+"""Run the real JointDP strategy against the real ClientApp in process; load example scripts."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
@@ -62,3 +63,12 @@ def run_flwr_app(tmp_path: Path, app_dir: str, overrides: str, supernodes: int =
         return proc.stdout + proc.stderr, listed.stdout
     finally:
         subprocess.run(["pkill", "-f", str(home)], check=False)
+
+
+def load_example(relative: str, name: str):
+    """Import the script ``examples/<relative>`` as module ``name`` (examples are not a package)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / relative
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

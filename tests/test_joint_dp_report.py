@@ -3,20 +3,16 @@ keep the trust models apart and take Table 1's epsilon = 1 cells as points."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from flwr_jdp.reproduce.joint_dp import Cell, append_row
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import load_example
 
 
 def _report():
-    spec = importlib.util.spec_from_file_location("jdp_report", ROOT / "examples" / "joint_dp" / "report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("joint_dp/report.py", "jdp_report")
 
 
 def _row(cell: Cell, acc: float, rounds: int = 20) -> dict:
@@ -69,11 +65,7 @@ def test_figure1_points_keep_trust_models_apart_and_include_table1(tmp_path):
 
 
 def _sampler():
-    path = ROOT / "examples" / "joint_dp" / "simulation_memory.py"
-    spec = importlib.util.spec_from_file_location("jdp_memory", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("joint_dp/simulation_memory.py", "jdp_memory")
 
 
 def test_memory_samples_name_their_cell_and_report_the_peak_per_cell():

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from flwr_jdp.reproduce.joint_dp import Cell
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import load_example
 
 
 def _sweep():
-    spec = importlib.util.spec_from_file_location("jdp_sweep", ROOT / "examples" / "joint_dp" / "sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("joint_dp/sweep.py", "jdp_sweep")
 
 
 def _row(cell: Cell, seeds: int) -> dict[str, str]:
