@@ -13,10 +13,13 @@ central-noise curves dotted. Table 1's epsilon = 1 cells are points of the curve
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import re
 import sys
 from pathlib import Path
 
+from flwr_jdp.models.seed_cnn import SeedCNN
 from flwr_jdp.reproduce.joint_dp import PERSONAL_RULES, Cell, read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,16 +120,18 @@ def generic(rows: list[dict[str, str]], keys: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+@functools.cache
+def _seed_cnn_sizes() -> dict[str, int]:
+    """Parameter name -> size of the seed CNN (28x28 grey images, GroupNorm); built once."""
+    return {name: p.numel() for name, p in SeedCNN().named_parameters()}
+
+
 def personal_parameter_count(rule: str) -> int:
-    """Parameters of the seed CNN (Fashion-MNIST shape, GroupNorm) that ``rule`` keeps personal."""
-    import re
-
-    from flwr_jdp.models.seed_cnn import SeedCNN
-
+    """Parameters of the seed CNN that ``rule`` keeps personal."""
     pattern = PERSONAL_RULES[rule]
     if not pattern:
         return 0
-    return sum(p.numel() for name, p in SeedCNN().named_parameters() if re.search(pattern, name))
+    return sum(size for name, size in _seed_cnn_sizes().items() if re.search(pattern, name))
 
 
 def table2(rows: list[dict[str, str]]) -> str:
