@@ -102,3 +102,25 @@ def test_table2_marks_personal_layers_counts_their_parameters_and_keeps_the_late
     assert "| No | No | YES | 15,690 | 0.7700 ± 0.0000 (1) |" in lines  # the later fc1 row
     assert "| YES | YES | YES | 28,938 | 0.2000 ± 0.0000 (1) |" in lines
     assert len(lines) == 2 + 4  # rules never run are left out
+
+
+def test_table4_has_one_line_per_records_per_user_bolds_dp_above_per_silo_and_falls_back_to_table1():
+    report = _report()
+    rows = []
+    for cell, acc in ((Cell("fashion-mnist", 256, "per-silo"), 0.70),
+                      (Cell("fashion-mnist", 256, "full-dp", "central", 1.0, 1), 0.72),
+                      (Cell("fashion-mnist", 256, "joint-dp", "central", 1.0, 1), 0.65),
+                      (Cell("fashion-mnist", 256, "joint-dp", "central", 1.0, 1), 0.74),
+                      (Cell("fashion-mnist", 256, "joint-dp", "central", 8.0, 5), 0.60)):
+        row = dict(_row(cell, acc), records_per_user=cell.records_per_user)
+        rows.append({k: str(v) for k, v in row.items()})
+    table1 = [{k: str(v) for k, v in _row(cell, acc).items()}
+              for cell, acc in ((Cell("fashion-mnist", 256, "per-silo"), 0.50),  # table 4's own wins
+                                (Cell("fashion-mnist", 256, "fedavg"), 0.83))]
+    lines = report.table4(rows, table1).splitlines()
+    assert lines[0].startswith("| data set | n | trust | m/r | per-silo | without DP (FedAvg) | full-DP ε=1 |")
+    assert lines[2] == ("| fashion-mnist | 256 | central | 1 | 0.7000 ± 0.0000 (1) | 0.8300 ± 0.0000 (1) | "
+                        "**0.7200 ± 0.0000 (1)** | **0.7400 ± 0.0000 (1)** | not run | not run |")
+    assert lines[3] == ("| fashion-mnist | 256 | central | 5 |  |  | not run | not run | not run | "
+                        "0.6000 ± 0.0000 (1) |")
+    assert len(lines) == 4

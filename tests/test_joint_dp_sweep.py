@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flwr_jdp.reproduce.joint_dp import Cell
+from flwr_jdp.reproduce.joint_dp import Cell, append_row
 
 from .helpers import load_example
 
@@ -44,3 +44,16 @@ def test_a_cell_is_done_only_with_enough_seeds_and_the_same_configuration():
     assert not sweep.done(one_seed, Cell("fashion-mnist", 256, "joint-dp", "local", 1.0), 1)
     assert not sweep.done(one_seed, Cell("fashion-mnist", 256, "joint-dp", "central", 2.0), 1)
     assert not sweep.done(one_seed, Cell("fashion-mnist", 256, "joint-dp", "central", 1.0, 1, "conv1"), 1)
+
+
+def test_table4_takes_per_silo_and_fedavg_from_table1(tmp_path):
+    sweep = _sweep()
+    plan = sweep.cells("4", "fashion-mnist", [256], ["central"])
+    assert len(plan) == 2 + 5 * 4  # per-silo, FedAvg; per m/r: full DP at 1, joint DP at 1, 3, 8
+    assert ("table4.csv", Cell("fashion-mnist", 256, "joint-dp", "central", 8.0, 20)) in plan
+    silo = Cell("fashion-mnist", 256, "per-silo")
+    append_row(tmp_path / "table1.csv", _row(silo, 1))
+    assert sweep.done(sweep.existing_rows(tmp_path, "table4.csv", silo), silo, 1)
+    full = Cell("fashion-mnist", 256, "full-dp", "central", 1.0)
+    append_row(tmp_path / "table1.csv", _row(full, 1))  # a DP cell of Table 1 is not Table 4's
+    assert not sweep.done(sweep.existing_rows(tmp_path, "table4.csv", full), full, 1)

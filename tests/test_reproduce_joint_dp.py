@@ -82,6 +82,15 @@ def test_a_finished_seed_is_reused_not_rerun(tmp_path, monkeypatch):
     monkeypatch.setattr(simulation, "simulate", lambda *a, **k: calls.append(a) or {"seconds": 0.0})
     res = run_seed(cell, 0, "", tmp_path / "runs")
     assert res["final_accuracy"] == 0.5 and res["timing"]["reused"] and not calls
+    # the same data folder spelt as a relative and as an absolute path is the same configuration
+    rel = Cell("digits", 4, "joint-dp", "local", 2.0)
+    rel_dir = tmp_path / "runs" / rel.name / "seed0"
+    rel_dir.mkdir(parents=True)
+    rel_cfg = parse_config(run_config(rel, 0, str(tmp_path / "data"), str(rel_dir))).to_dict()
+    (rel_dir / "results.json").write_text(json.dumps(
+        {"status": "completed", "config": rel_cfg, "final_accuracy": 0.6, "wall_seconds": 3.0}))
+    monkeypatch.chdir(tmp_path)
+    assert run_seed(rel, 0, "data", tmp_path / "runs")["final_accuracy"] == 0.6 and not calls
     # a different configuration (more rounds) is not reused
     with pytest.raises(FileNotFoundError):
         run_seed(cell, 0, "", tmp_path / "runs2", rounds=3)

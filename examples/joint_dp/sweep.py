@@ -8,7 +8,7 @@ CSV are skipped, so an interrupted sweep continues where it stopped.
     python examples/joint_dp/sweep.py --table 1 --data-dir ../shared/data/fashion-mnist
     python examples/joint_dp/sweep.py --table figure1 --owners 256 --quick
     python examples/joint_dp/sweep.py --table 2 --dataset mnist --data-dir ../shared/data/mnist
-    python examples/joint_dp/sweep.py --table 4 --dataset mnist --data-dir ../shared/data/mnist
+    python examples/joint_dp/sweep.py --table 4 --owners 256 --trust central --quick
 
 Then ``python examples/joint_dp/report.py`` draws Figure 1 and prints the tables.
 """
@@ -23,6 +23,7 @@ from flwr_jdp.reproduce.joint_dp import Cell, read_rows, run_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL_OWNERS = (4, 16, 64, 128, 256, 512)
+TABLE4_OWNERS = (4, 256)
 EPSILONS = (1.0, 2.0, 5.0, 10.0, 100.0)
 
 
@@ -47,7 +48,7 @@ def cells(table: str, dataset: str, owners: list[int], trusts: list[str]) -> lis
             method = "full-dp" if rule == "none" else "joint-dp"
             out.append(("table2.csv", Cell(dataset, 128, method, trusts[0], 1.0, 1, rule)))
     elif table == "4":
-        for n in (4, 256):
+        for n in owners:
             out.append(("table4.csv", Cell(dataset, n, "per-silo")))
             out.append(("table4.csv", Cell(dataset, n, "fedavg")))
             for mr in (1, 2, 5, 10, 20):
@@ -79,12 +80,22 @@ def done(rows: list[dict[str, str]], cell: Cell, seeds: int = 1) -> bool:
     return False
 
 
+def existing_rows(out: Path, csv_name: str, cell: Cell) -> list[dict[str, str]]:
+    """Rows that may already hold ``cell``: its table's and, for Table 4's per-silo
+    and FedAvg cells (no DP, so independent of m/r), Table 1's as well."""
+    rows = read_rows(out / csv_name)
+    if csv_name == "table4.csv" and not cell.dp:
+        rows += read_rows(out / "table1.csv")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", choices=("1", "figure1", "2", "4"), required=True)
     parser.add_argument("--dataset", default="fashion-mnist", choices=("fashion-mnist", "mnist"))
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "fashion-mnist"))
-    parser.add_argument("--owners", type=int, nargs="+", default=list(ALL_OWNERS))
+    parser.add_argument("--owners", type=int, nargs="+", default=None,
+                        help="default: every n of Table 1 (Figure 1, Table 1); 4 and 256 (Table 4)")
     parser.add_argument("--trust", nargs="+", default=["local", "central"], choices=("local", "central"))
     parser.add_argument("--seeds", type=int, default=0,
                         help="seeds per cell (default: 1 for n < 64, 3 for n >= 64)")
@@ -93,11 +104,12 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "results" / "joint_dp"))
     args = parser.parse_args()
 
-    plan = cells(args.table, args.dataset, args.owners, args.trust)
+    owners = args.owners or list(TABLE4_OWNERS if args.table == "4" else ALL_OWNERS)
+    plan = cells(args.table, args.dataset, owners, args.trust)
     print(f"{len(plan)} cells", flush=True)
     for csv_name, cell in plan:
         seeds = 1 if args.quick else (args.seeds or (3 if cell.owners >= 64 else 1))
-        if done(read_rows(Path(args.out) / csv_name), cell, seeds):
+        if done(existing_rows(Path(args.out), csv_name, cell), cell, seeds):
             print(f"skip {cell.name} (in {csv_name} with >= {seeds} seeds)", flush=True)
             continue
         row = run_cell(cell, seeds, args.data_dir, args.out, supernodes=args.supernodes, table=csv_name)

@@ -178,7 +178,9 @@ def run_seed(cell: Cell, seed: int, data_dir: str, work_dir: Path, supernodes: i
     """Run one seed of ``cell`` as a Flower simulation; return its results.json.
 
     A seed whose ``results.json`` already says ``completed`` for the same
-    configuration (all keys but ``results-dir``) is not run again: its results are returned as they are."""
+    configuration (all keys but ``results-dir``; ``data-dir`` compared as a resolved
+    path, so a relative and an absolute spelling of one folder match) is not run
+    again: its results are returned as they are."""
     from flwr_jdp.strategies.checkpoint import config_digest
 
     from ..simulation import simulate
@@ -189,7 +191,10 @@ def run_seed(cell: Cell, seed: int, data_dir: str, work_dir: Path, supernodes: i
     if done.is_file():  # a finished seed of exactly this configuration is reused
         old = json.loads(done.read_text())
         def digest(config: dict[str, Any]) -> str:
-            return config_digest({k: v for k, v in config.items() if k != "results-dir"})
+            same = {k: v for k, v in config.items() if k != "results-dir"}
+            if same.get("data-dir"):
+                same["data-dir"] = str(Path(same["data-dir"]).resolve())
+            return config_digest(same)
 
         if (old.get("status") == "completed"
                 and digest(old.get("config", {})) == digest(parse_config(cfg).to_dict())):
