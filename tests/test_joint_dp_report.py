@@ -4,7 +4,10 @@ keep the trust models apart and take Table 1's epsilon = 1 cells as points."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+import pytest
 
 from flwr_jdp.reproduce.joint_dp import Cell, append_row
 
@@ -72,18 +75,43 @@ def test_memory_samples_name_their_cell_and_report_the_peak_per_cell():
     sampler = _sampler()
     argv = ["/venv/bin/python3", "/venv/bin/flwr-jdp", "reproduce", "joint-dp", "--owners", "512",
             "--method", "fedavg", "--trust", "local", "--seeds", "1"]
-    assert sampler.cell_of_command(argv) == ["512", "fedavg", "local", ""]
+    assert sampler.cell_of_command(argv) == ["512", "fedavg", "local", "", "", ""]
+    # an option given twice counts with its last value, as argparse reads it
+    argv = ["flwr-jdp", "reproduce", "joint-dp", "--epsilon", "1", "--owners", "256", "--method",
+            "joint-dp", "--records-per-user", "5", "--epsilon", "3", "--personal", "conv2+fc1"]
+    assert sampler.cell_of_command(argv) == ["256", "joint-dp", "", "3", "5", "conv2+fc1"]
     count, mib, _ = sampler.sample(("python",))  # this test's own process at least
     assert count >= 1 and mib > 0
-    samples = [dict(zip(sampler.FIELDS, row, strict=True)) for row in (
+    old_fields = sampler.FIELDS[:7]  # files written before m/r and personal were recorded
+    samples = [dict(zip(old_fields, row, strict=True)) for row in (
         ("1", "9", "2000.0", "512", "fedavg", "local", "1"),
         ("2", "9", "2600.0", "512", "fedavg", "local", "1"),
         ("3", "3", "9000.0", "", "", "", ""),  # between two cells: not counted
         ("4", "9", "1024.0", "256", "joint-dp", "central", "1"))]
-    text = _report().memory(samples)
-    assert "| 512 | fedavg | - | - | 2 | 2600 | 5.08 |" in text  # no DP: trust and epsilon unused
-    assert "| 256 | joint-dp | central | 1 | 1 | 1024 | 4.00 |" in text
-    assert "9000" not in text
+    samples += [dict(zip(sampler.FIELDS, row, strict=True)) for row in (
+        ("5", "9", "3072.0", "256", "joint-dp", "central", "1", "", "fc1"),  # the defaults
+        ("6", "9", "1536.0", "256", "joint-dp", "central", "3", "5", ""),
+        ("7", "9", "2048.0", "128", "joint-dp", "central", "1", "", "conv2+fc1"))]
+    lines = _report().memory(samples).splitlines()
+    assert "| 512 | fedavg | - | - | 1 | - | 2 | 2600 | 5.08 |" in lines  # no DP: trust, ε unused
+    assert "| 256 | joint-dp | central | 1 | 1 | fc1 | 2 | 3072 | 12.00 |" in lines
+    assert "| 256 | joint-dp | central | 3 | 5 | fc1 | 1 | 1536 | 6.00 |" in lines
+    assert "| 128 | joint-dp | central | 1 | 1 | conv2+fc1 | 1 | 2048 | 16.00 |" in lines
+    assert len(lines) == 2 + 4  # the sample between two cells is not counted
+
+
+def test_memory_sampler_refuses_a_file_with_other_columns(tmp_path, monkeypatch):
+    sampler = _sampler()
+    out = tmp_path / "memory_old.csv"
+    out.write_text("time,processes,pss_mib,owners,method,trust,epsilon\n")
+    monkeypatch.setattr(sys, "argv", ["simulation_memory.py", "--out", str(out), "--duration", "0"])
+    with pytest.raises(SystemExit):
+        sampler.main()
+    assert out.read_text() == "time,processes,pss_mib,owners,method,trust,epsilon\n"
+    new = tmp_path / "memory_new.csv"
+    monkeypatch.setattr(sys, "argv", ["simulation_memory.py", "--out", str(new), "--duration", "0"])
+    sampler.main()
+    assert new.read_text() == ",".join(sampler.FIELDS) + "\n"
 
 
 def test_table2_marks_personal_layers_counts_their_parameters_and_keeps_the_latest_row():

@@ -96,19 +96,24 @@ def memory(samples: list[dict[str, str]]) -> str:
     """Peak summed PSS of the simulation's processes per cell (``simulation_memory.py``
     samples, labelled with the cell running when they were taken), and that peak
     divided by the number of owners: an upper bound on memory per owner, since it
-    includes Ray's and Flower's fixed cost."""
-    peaks: dict[tuple[int, str, str, str], tuple[float, int]] = {}
+    includes Ray's and Flower's fixed cost. Samples taken before the sampler recorded
+    m/r and the personal layers (or with those options left at their defaults) count
+    as m/r = 1 and, for joint DP, FC1 personal."""
+    peaks: dict[tuple[int, str, str, str, int, str], tuple[float, int]] = {}
     for r in samples:
         if not r.get("owners"):
             continue  # between two cells
         dp = r["method"] in ("full-dp", "joint-dp")  # the others ignore --trust and --epsilon
-        key = (int(r["owners"]), r["method"], r["trust"] if dp else "-", r["epsilon"] if dp else "-")
+        personal = (r.get("personal") or Cell.personal) if r["method"] == "joint-dp" else "-"
+        key = (int(r["owners"]), r["method"], r["trust"] if dp else "-", r["epsilon"] if dp else "-",
+               int(r.get("records_per_user") or 1), personal)
         peak, count = peaks.get(key, (0.0, 0))
         peaks[key] = (max(peak, float(r["pss_mib"])), count + 1)
-    lines = ["| n | method | trust | ε | samples | peak PSS (MiB) | peak / owner (MiB) |",
-             "|---|---|---|---|---|---|---|"]
-    for (n, method, trust, eps), (peak, count) in sorted(peaks.items()):
-        lines.append(f"| {n} | {method} | {trust} | {eps} | {count} | {peak:.0f} | {peak / n:.2f} |")
+    lines = ["| n | method | trust | ε | m/r | personal | samples | peak PSS (MiB) | peak / owner (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (n, method, trust, eps, mr, personal), (peak, count) in sorted(peaks.items()):
+        lines.append(f"| {n} | {method} | {trust} | {eps} | {mr} | {personal} | {count} | {peak:.0f} "
+                     f"| {peak / n:.2f} |")
     return "\n".join(lines)
 
 

@@ -5,15 +5,17 @@ Every ``--interval`` seconds it sums the proportional set size (PSS, from
 the processes that map them, so the sum does not double count) of every process
 whose command line contains one of ``--match`` (default: Ray's actors and services
 and the ``flwr-jdp``/``flwr`` processes), and appends
-``time,processes,pss_mib,owners,method,trust,epsilon`` to ``--out``; the last four are
-read from the command line of the ``flwr-jdp reproduce`` process running at that moment
-(empty when none is), so every sample names the cell it belongs to. It stops after ``--duration`` seconds or when killed; every sample is on
+``time,processes,pss_mib,owners,method,trust,epsilon,records_per_user,personal`` to
+``--out``; the last six are read from the command line of the ``flwr-jdp reproduce``
+process running at that moment (empty when none is, or when the command leaves that
+option at its default), so every sample names the cell it belongs to. As for argparse,
+an option given twice counts with its last value. It stops after ``--duration`` seconds or when killed; every sample is on
 disk as soon as it is taken.
 
 Used beside the Table 1 cells at n = 512 (issue 3: "the 512-owner simulation must
 finish; memory per owner reported")::
 
-    python examples/joint_dp/simulation_memory.py --out results/joint_dp/memory_n512.csv &
+    python examples/joint_dp/simulation_memory.py --out results/joint_dp/memory_cells.csv &
     flwr-jdp reproduce joint-dp --owners 512 ...
 
 ``examples/joint_dp/report.py`` reads every ``memory_*.csv`` beside the tables and
@@ -27,9 +29,10 @@ import time
 from pathlib import Path
 
 DEFAULT_MATCH = ("ray::", "/ray/", "flwr-jdp", "flwr-", "flower-")
-FIELDS = ("time", "processes", "pss_mib", "owners", "method", "trust", "epsilon")
+FIELDS = ("time", "processes", "pss_mib", "owners", "method", "trust", "epsilon", "records_per_user",
+          "personal")
 #: ``flwr-jdp reproduce`` options that name a cell, in the CSV's order.
-CELL_OPTIONS = ("--owners", "--method", "--trust", "--epsilon")
+CELL_OPTIONS = ("--owners", "--method", "--trust", "--epsilon", "--records-per-user", "--personal")
 
 
 def _pss_kib(pid: str) -> int:
@@ -40,8 +43,13 @@ def _pss_kib(pid: str) -> int:
 
 
 def cell_of_command(argv: list[str]) -> list[str]:
-    """The values of ``CELL_OPTIONS`` in a ``flwr-jdp reproduce`` command line."""
-    return [argv[argv.index(opt) + 1] if opt in argv[:-1] else "" for opt in CELL_OPTIONS]
+    """The values of ``CELL_OPTIONS`` in a ``flwr-jdp reproduce`` command line ("" for an
+    option it leaves out; the last value of an option it repeats, as argparse reads it)."""
+    values = dict.fromkeys(CELL_OPTIONS, "")
+    for opt, value in zip(argv, argv[1:], strict=False):
+        if opt in values:
+            values[opt] = value
+    return list(values.values())
 
 
 def sample(match: tuple[str, ...]) -> tuple[int, float, list[str]]:
@@ -76,8 +84,12 @@ def main() -> None:
         parser.error("--interval must be > 0 seconds")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    header = ",".join(FIELDS)
     if not out.exists():
-        out.write_text(",".join(FIELDS) + "\n")
+        out.write_text(header + "\n")
+    elif (first := out.read_text().split("\n", 1)[0]) != header:
+        parser.error(f"--out {out} has the columns {first!r}, not {header!r}: "
+                     "name a new file (report.py reads every memory_*.csv)")
     start = time.time()
     while time.time() - start < args.duration:
         count, mib, cell = sample(tuple(args.match))
