@@ -95,3 +95,29 @@ def test_a_finished_seed_is_reused_not_rerun(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):
         run_seed(cell, 0, "", tmp_path / "runs2", rounds=3)
     assert len(calls) == 1
+
+
+def test_rerunning_a_finished_cell_does_not_append_the_same_row_twice(tmp_path, monkeypatch):
+    import json
+
+    import flwr_jdp.simulation as simulation
+    from flwr_jdp.reproduce.joint_dp import read_rows, run_cell
+
+    cell = Cell("digits", 4, "joint-dp", "central", 3.0, 5)
+    seed_dir = tmp_path / "runs" / cell.name / "seed0"
+    seed_dir.mkdir(parents=True)
+    cfg = parse_config(run_config(cell, 0, "", str(seed_dir))).to_dict()
+    (seed_dir / "results.json").write_text(json.dumps(
+        {"status": "completed", "config": cfg, "final_accuracy": 0.5, "rounds_completed": 2,
+         "final_epsilon": 2.99, "wall_seconds": 3.0}))
+    monkeypatch.setattr(simulation, "simulate", lambda *a, **k: pytest.fail("a finished seed was rerun"))
+    first = run_cell(cell, 1, "", tmp_path, table="t.csv")
+    assert run_cell(cell, 1, "", tmp_path, table="t.csv") == first
+    rows = read_rows(tmp_path / "t.csv")
+    assert len(rows) == 1 and rows[0]["acc_mean"] == "0.5" and rows[0]["records_per_user"] == "5"
+    # a different outcome for the same cell is a new row (the report reads the latest)
+    (seed_dir / "results.json").write_text(json.dumps(
+        {"status": "completed", "config": cfg, "final_accuracy": 0.6, "rounds_completed": 2,
+         "final_epsilon": 2.99, "wall_seconds": 3.0}))
+    run_cell(cell, 1, "", tmp_path, table="t.csv")
+    assert [r["acc_mean"] for r in read_rows(tmp_path / "t.csv")] == ["0.5", "0.6"]

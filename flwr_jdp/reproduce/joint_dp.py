@@ -210,7 +210,8 @@ def run_seed(cell: Cell, seed: int, data_dir: str, work_dir: Path, supernodes: i
 def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[str],
              supernodes: int = 2, table: str = "table.csv", ray_address: str | None = None,
              **kwargs: Any) -> dict[str, Any]:
-    """Run ``seeds`` seeds of ``cell`` and append one row to ``out_dir/table``."""
+    """Run ``seeds`` seeds of ``cell`` and append one row to ``out_dir/table`` (unless
+    the table already holds that exact row, as when every seed was reused)."""
     out = Path(out_dir)
     accs, seconds = [], 0.0
     cfg = None
@@ -235,7 +236,10 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
         "seconds": round(seconds, 1),
         "coupling": cell.coupling if cell.method == "joint-dp" else "-",
     }
-    append_row(out / table, row)
+    if {k: str(row.get(k, "")) for k in COLUMNS} in read_rows(out / table):
+        print(f"[{cell.name}] every seed reused: {table} already holds this row", flush=True)
+    else:
+        append_row(out / table, row)
     return row
 
 
