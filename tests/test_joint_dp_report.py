@@ -91,13 +91,18 @@ def test_memory_samples_name_their_cell_and_report_the_peak_per_cell():
     samples += [dict(zip(sampler.FIELDS, row, strict=True)) for row in (
         ("5", "9", "3072.0", "256", "joint-dp", "central", "1", "", "fc1"),  # the defaults
         ("6", "9", "1536.0", "256", "joint-dp", "central", "3", "5", ""),
-        ("7", "9", "2048.0", "128", "joint-dp", "central", "1", "", "conv2+fc1"))]
+        ("7", "9", "2048.0", "128", "joint-dp", "central", "1", "", "conv2+fc1"),
+        ("8", "9", "4096.0", "256", "joint-dp", "central", "1.0", "1", "fc1"),  # same cell as "1"
+        ("9", "9", "1024.0", "256", "joint-dp", "central", "10", "", ""))]
     lines = _report().memory(samples).splitlines()
     assert "| 512 | fedavg | - | - | 1 | - | 2 | 2600 | 5.08 |" in lines  # no DP: trust, ε unused
-    assert "| 256 | joint-dp | central | 1 | 1 | fc1 | 2 | 3072 | 12.00 |" in lines
+    assert "| 256 | joint-dp | central | 1 | 1 | fc1 | 3 | 4096 | 16.00 |" in lines
     assert "| 256 | joint-dp | central | 3 | 5 | fc1 | 1 | 1536 | 6.00 |" in lines
     assert "| 128 | joint-dp | central | 1 | 1 | conv2+fc1 | 1 | 2048 | 16.00 |" in lines
-    assert len(lines) == 2 + 4  # the sample between two cells is not counted
+    # epsilon sorts as a number: 10 after 3
+    assert (lines.index("| 256 | joint-dp | central | 10 | 1 | fc1 | 1 | 1024 | 4.00 |")
+            > lines.index("| 256 | joint-dp | central | 3 | 5 | fc1 | 1 | 1536 | 6.00 |"))
+    assert len(lines) == 2 + 5  # the sample between two cells is not counted
 
 
 def test_memory_sampler_refuses_a_file_with_other_columns(tmp_path, monkeypatch):

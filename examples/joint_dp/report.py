@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -99,20 +100,23 @@ def memory(samples: list[dict[str, str]]) -> str:
     includes Ray's and Flower's fixed cost. Samples taken before the sampler recorded
     m/r and the personal layers (or with those options left at their defaults) count
     as m/r = 1 and, for joint DP, FC1 personal."""
-    peaks: dict[tuple[int, str, str, str, int, str], tuple[float, int]] = {}
+    peaks: dict[tuple[int, str, str, float, int, str], tuple[float, int]] = {}
     for r in samples:
         if not r.get("owners"):
             continue  # between two cells
         dp = r["method"] in ("full-dp", "joint-dp")  # the others ignore --trust and --epsilon
         personal = (r.get("personal") or Cell.personal) if r["method"] == "joint-dp" else "-"
-        key = (int(r["owners"]), r["method"], r["trust"] if dp else "-", r["epsilon"] if dp else "-",
+        # epsilon as a number: "1" and "1.0" are one cell, and 10 sorts after 2
+        key = (int(r["owners"]), r["method"], r["trust"] if dp else "-",
+               float(r["epsilon"] or Cell.epsilon) if dp else math.inf,
                int(r.get("records_per_user") or 1), personal)
         peak, count = peaks.get(key, (0.0, 0))
         peaks[key] = (max(peak, float(r["pss_mib"])), count + 1)
     lines = ["| n | method | trust | ε | m/r | personal | samples | peak PSS (MiB) | peak / owner (MiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for (n, method, trust, eps, mr, personal), (peak, count) in sorted(peaks.items()):
-        lines.append(f"| {n} | {method} | {trust} | {eps} | {mr} | {personal} | {count} | {peak:.0f} "
+        shown = f"{eps:g}" if math.isfinite(eps) else "-"
+        lines.append(f"| {n} | {method} | {trust} | {shown} | {mr} | {personal} | {count} | {peak:.0f} "
                      f"| {peak / n:.2f} |")
     return "\n".join(lines)
 
