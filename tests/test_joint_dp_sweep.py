@@ -49,8 +49,10 @@ def test_a_cell_is_done_only_with_enough_seeds_and_the_same_configuration():
 def test_table4_takes_per_silo_and_fedavg_from_table1(tmp_path):
     sweep = _sweep()
     plan = sweep.cells("4", "fashion-mnist", [256], ["central"])
-    assert len(plan) == 2 + 5 * 4  # per-silo, FedAvg; per m/r: full DP at 1, joint DP at 1, 3, 8
+    # per-silo, FedAvg; per m/r: full DP at 1, joint DP at 1, 3, 8; then full DP at 3, 8
+    assert len(plan) == 2 + 5 * 4 + 5 * 2
     assert ("table4.csv", Cell("fashion-mnist", 256, "joint-dp", "central", 8.0, 20)) in plan
+    assert plan[-1] == ("table4.csv", Cell("fashion-mnist", 256, "full-dp", "central", 8.0, 20))
     silo = Cell("fashion-mnist", 256, "per-silo")
     append_row(tmp_path / "table1.csv", _row(silo, 1))
     assert sweep.done(sweep.existing_rows(tmp_path, "table4.csv", silo), silo, 1)

@@ -55,6 +55,9 @@ def cells(table: str, dataset: str, owners: list[int], trusts: list[str]) -> lis
                 out.append(("table4.csv", Cell(dataset, n, "full-dp", trusts[0], 1.0, mr)))
                 for eps in (1.0, 3.0, 8.0):
                     out.append(("table4.csv", Cell(dataset, n, "joint-dp", trusts[0], eps, mr)))
+            for mr in (1, 2, 5, 10, 20):  # beyond the paper's table: full-DP at epsilon 3 and 8
+                for eps in (3.0, 8.0):
+                    out.append(("table4.csv", Cell(dataset, n, "full-dp", trusts[0], eps, mr)))
     else:
         raise ValueError(f"unknown table {table!r}")
     return out
