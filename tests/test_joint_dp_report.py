@@ -67,6 +67,27 @@ def test_figure1_points_keep_trust_models_apart_and_include_table1(tmp_path):
     assert (tmp_path / "figure1.png").stat().st_size > 0
 
 
+def test_figure1_points_table_pairs_joint_and_full_dp_sorted_by_epsilon(tmp_path):
+    """One line per (n, trust, epsilon); Table 1's epsilon = 1 cell is marked T1, the
+    later of two rows for a point wins and a missing method reads "not run"."""
+    report = _report()
+    from flwr_jdp.reproduce.joint_dp import read_rows
+
+    append_row(tmp_path / "table1.csv", _row(Cell("fashion-mnist", 8, "joint-dp", "central", 1.0), 0.7))
+    append_row(tmp_path / "table1.csv", _row(Cell("fashion-mnist", 8, "full-dp", "central", 1.0), 0.5))
+    append_row(tmp_path / "table1.csv", _row(Cell("fashion-mnist", 8, "per-silo"), 0.6))
+    for eps, acc in ((10.0, 0.81), (2.0, 0.75), (10.0, 0.8)):
+        append_row(tmp_path / "figure1.csv", _row(Cell("fashion-mnist", 8, "joint-dp", "central", eps), acc))
+    append_row(tmp_path / "figure1.csv", _row(Cell("fashion-mnist", 8, "full-dp", "central", 2.0), 0.55))
+    lines = report.figure1_points(read_rows(tmp_path / "figure1.csv"),
+                                  read_rows(tmp_path / "table1.csv")).splitlines()[2:]
+    assert lines == [
+        "| 8 | central | 1 | 0.7000 ± 0.0000 (1) T1 | 0.5000 ± 0.0000 (1) T1 | +0.2000 | 0.6000 |",
+        "| 8 | central | 2 | 0.7500 ± 0.0000 (1) | 0.5500 ± 0.0000 (1) | +0.2000 | 0.6000 |",
+        "| 8 | central | 10 | 0.8000 ± 0.0000 (1) | not run |  | 0.6000 |",
+    ]
+
+
 def _sampler():
     return load_example("joint_dp/simulation_memory.py", "jdp_memory")
 

@@ -228,6 +228,32 @@ def _figure_point(r: dict[str, str], n: int, method: str, trust: str) -> bool:
             and (r.get("coupling") or "decoupled") in ("decoupled", "-"))
 
 
+def figure1_points(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]]) -> str:
+    """Figure 1's points as a table: one line per (n, trust, epsilon) with joint DP and
+    full DP side by side and their difference, sorted by n, trust and epsilon. Table 1's
+    epsilon = 1 rows count too (marked "T1"); the latest row of a point wins."""
+    rows = t1_rows + fig_rows
+    lines = ["| n | trust | ε | joint DP | full DP | joint − full | per-silo |", "|" + "---|" * 7]
+    keys = sorted({(int(r["owners"]), r["trust"], float(r["epsilon"])) for r in fig_rows})
+    for n, trust in sorted({(n, t) for n, t, _ in keys}):
+        eps = sorted({float(r["epsilon"]) for r in rows for m in ("joint-dp", "full-dp")
+                      if _figure_point(r, n, m, trust)})
+        silo = [r for r in rows if int(r["owners"]) == n and r["method"] == "per-silo"]
+        silo_txt = f"{float(silo[-1]['acc_mean']):.4f}" if silo else "not run"
+        for e in eps:
+            got = {}
+            for m in ("joint-dp", "full-dp"):
+                hit = [(r, r in t1_rows) for r in rows
+                       if _figure_point(r, n, m, trust) and float(r["epsilon"]) == e]
+                got[m] = hit[-1] if hit else None
+            cells = [(_fmt(r) + (" T1" if from_t1 else "")) if r else "not run"
+                     for r, from_t1 in (got[m] or (None, False) for m in ("joint-dp", "full-dp"))]
+            diff = (f"{float(got['joint-dp'][0]['acc_mean']) - float(got['full-dp'][0]['acc_mean']):+.4f}"
+                    if got["joint-dp"] and got["full-dp"] else "")
+            lines.append(f"| {n} | {trust} | {e:g} | {cells[0]} | {cells[1]} | {diff} | {silo_txt} |")
+    return "\n".join(lines)
+
+
 def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path: Path) -> bool:
     """Accuracy vs epsilon per n; returns False when there is nothing to draw."""
     import matplotlib
@@ -283,7 +309,8 @@ def main() -> int:
                   "### Wall time of the Table 1 cells (2-core CPU, Flower Ray simulation, 2 SuperNodes)",
                   timing(t1, res / "runs")]
     if f1:
-        parts += ["### Figure 1 points", generic(f1, ("dataset", "owners", "method", "trust", "epsilon"))]
+        parts += ["### Figure 1 points (record level, FC1 personal; T1: the Table 1 cell at ε = 1)",
+                  figure1_points(f1, t1)]
         figure1(f1, t1, res / "figure1.png")
     if t2:
         parts += ["### Table 2 (which layers are personal; n = 128, ε = 1, δ = 1e-4; FC2 always shared)",
