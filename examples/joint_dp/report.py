@@ -330,11 +330,11 @@ def main() -> int:
     tuning = read_rows(res / "tuning.csv")
     if tuning:
         keys = ("dataset", "owners", "method", "trust", "epsilon", "coupling", "validation_fraction",
-                "learning_rate", "personal_learning_rate", "noise_multiplier", "final_epsilon")
+                "learning_rate", "personal_learning_rate", "clipping_norm", "noise_multiplier", "final_epsilon")
         lines = ["| " + " | ".join(keys) + " | validation accuracy |", "|" + "---|" * (len(keys) + 1)]
         lines += ["| " + " | ".join(r.get(k, "") for k in keys) + f" | {float(r['val_acc']):.4f} |"
                   for r in tuning]
-        parts += ["### Learning-rate tuning on validation splits (`tune.py`; test split not read)",
+        parts += ["### Learning-rate and clipping-norm tuning on validation splits (`tune.py`; test split not read)",
                   "\n".join(lines)]
     text = "\n\n".join(parts) + "\n"
     (res / "tables.md").write_text(text)

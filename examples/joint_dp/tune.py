@@ -1,4 +1,5 @@
-"""Tune a joint-DP-paper cell's learning rates on a validation split, never on test.
+"""Tune a joint-DP-paper cell's learning rates and clipping norm on a validation split,
+never on test.
 
 Each grid point is one Flower simulation of the project's apps
 (:func:`flwr_jdp.reproduce.joint_dp.run_seed`, Ray backend), the same as a table
@@ -11,6 +12,10 @@ training split, at the same target epsilon.
     python examples/joint_dp/tune.py --owners 256 --method joint-dp --trust local \\
         --learning-rates 0.02 0.05 0.1 0.2 --data-dir ../shared/data/fashion-mnist
 
+``--clipping-norms 0.5 1 2`` adds the DP cells' clipping norm C to the grid (the
+noise is z * C, so z is unchanged: C trades clipping bias against noise). The grid
+is the product of the learning rates, personal learning rates and clipping norms.
+
 Appends one row per grid point to ``results/joint_dp/tuning.csv`` (points already
 there are skipped) and prints the best point.
 """
@@ -18,6 +23,7 @@ there are skipped) and prints the best point.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -27,11 +33,29 @@ from flwr_jdp.reproduce.joint_dp import HPARAMS, Cell, append_row, read_rows, ru
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
            "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
-           "final_epsilon", "val_acc", "seconds")
+           "final_epsilon", "val_acc", "seconds", "clipping_norm")
 
 
 def _hparams(cell: Cell) -> dict:
     return HPARAMS[(cell.method, "central" if cell.dp and cell.trust == "central" else "local")]
+
+
+def upgrade_table(table: Path) -> list[dict[str, str]]:
+    """Rows of ``table``; a file written before a column of :data:`COLUMNS` existed is
+    rewritten with it. Its rows ran at the cell's own value of that column: the
+    clipping norm of :data:`HPARAMS` (empty for a cell without DP)."""
+    rows = read_rows(table)
+    if not rows or all(k in rows[0] for k in COLUMNS):
+        return rows
+    for r in rows:
+        old = Cell(r["dataset"], int(r["owners"]), r["method"],
+                   r["trust"] if r["trust"] != "-" else "local",
+                   float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
+        r.setdefault("clipping_norm", f"{_hparams(old)['clipping-norm']:g}" if old.dp else "")
+    table.write_text("")
+    for r in rows:
+        append_row(table, r, COLUMNS)
+    return read_rows(table)
 
 
 def main() -> int:
@@ -47,6 +71,8 @@ def main() -> int:
                         help="shared learning rates to try")
     parser.add_argument("--personal-learning-rates", type=float, nargs="*", default=[],
                         help="personal learning rates to try (default: the cell's)")
+    parser.add_argument("--clipping-norms", type=float, nargs="*", default=[],
+                        help="clipping norms C to try, DP cells only (default: the cell's)")
     parser.add_argument("--validation-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--supernodes", type=int, default=2)
@@ -56,42 +82,52 @@ def main() -> int:
         parser.error("--validation-fraction must be in (0, 1): tuning never reads the test split")
 
     cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon, 1, args.personal)
+    if args.clipping_norms and not cell.dp:
+        parser.error(f"--clipping-norms applies to DP cells only, not to {cell.method}")
+    if any(c <= 0 for c in args.clipping_norms):
+        parser.error(f"--clipping-norms must be > 0, got {args.clipping_norms}")
     base = _hparams(cell)
     personal_lrs = args.personal_learning_rates or [base["personal-learning-rate"]]
+    clips = args.clipping_norms or ([base["clipping-norm"]] if cell.dp else [None])
     table = Path(args.out) / "tuning.csv"
     work = Path(args.out) / "tuning_runs"
-    rows = read_rows(table)
-    for lr in args.learning_rates:
-        for plr in personal_lrs:
-            key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
-                   f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}")
-            if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"],
-                    r["personal_layers"], r["learning_rate"], r["personal_learning_rate"]) == key
-                   for r in rows):
-                print(f"skip lr={lr:g} personal lr={plr:g} (in {table.name})", flush=True)
-                continue
-            t0 = time.time()
-            res = run_seed(cell, args.seed, args.data_dir, work / f"lr{lr:g}-plr{plr:g}",
-                           args.supernodes, validation_fraction=args.validation_fraction,
-                           extra={"learning-rate": lr, "personal-learning-rate": plr})
-            if res.get("final_accuracy") is None:
-                raise RuntimeError(f"lr={lr:g}: no round completed (status {res.get('status')})")
-            row = dict(zip(COLUMNS, (*key[:6], res["config"].get("personal-coupling", ""),
-                                     args.validation_fraction, *key[6:],
-                                     res.get("noise_multiplier", 0.0),
-                                     round(float(res.get("final_epsilon", 0.0)), 4),
-                                     round(float(res["final_accuracy"]), 4),
-                                     round(time.time() - t0, 1)), strict=True))
-            append_row(table, row, COLUMNS)
-            rows.append({k: str(v) for k, v in row.items()})
-            print(f"lr={lr:g} personal lr={plr:g}: validation accuracy {row['val_acc']:.4f} "
-                  f"(z {row['noise_multiplier']}, epsilon {row['final_epsilon']})", flush=True)
+    rows = upgrade_table(table)
+    for lr, plr, clip in itertools.product(args.learning_rates, personal_lrs, clips):
+        clip_txt = f"{clip:g}" if clip is not None else ""
+        point = f"lr={lr:g} personal lr={plr:g}" + (f" C={clip_txt}" if clip_txt else "")
+        key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
+               f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}", clip_txt)
+        if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"], r["personal_layers"],
+                r["learning_rate"], r["personal_learning_rate"], r["clipping_norm"]) == key for r in rows):
+            print(f"skip {point} (in {table.name})", flush=True)
+            continue
+        extra = {"learning-rate": lr, "personal-learning-rate": plr}
+        run_dir = f"lr{lr:g}-plr{plr:g}"
+        if clip is not None and clip != base["clipping-norm"]:
+            extra["clipping-norm"] = clip
+            run_dir += f"-c{clip:g}"
+        t0 = time.time()
+        res = run_seed(cell, args.seed, args.data_dir, work / run_dir, args.supernodes,
+                       validation_fraction=args.validation_fraction, extra=extra)
+        if res.get("final_accuracy") is None:
+            raise RuntimeError(f"{point}: no round completed (status {res.get('status')})")
+        row = dict(zip(COLUMNS, (*key[:6], res["config"].get("personal-coupling", ""),
+                                 args.validation_fraction, *key[6:8],
+                                 res.get("noise_multiplier", 0.0),
+                                 round(float(res.get("final_epsilon", 0.0)), 4),
+                                 round(float(res["final_accuracy"]), 4),
+                                 round(time.time() - t0, 1), clip_txt), strict=True))
+        append_row(table, row, COLUMNS)
+        rows.append({k: str(v) for k, v in row.items()})
+        print(f"{point}: validation accuracy {row['val_acc']:.4f} "
+              f"(z {row['noise_multiplier']}, epsilon {row['final_epsilon']})", flush=True)
     mine = [r for r in rows if (r["dataset"], r["owners"], r["method"], r["trust"], r["personal_layers"])
             == (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-", cell.personal)
             and r["epsilon"] == (f"{cell.epsilon:g}" if cell.dp else "inf")]
     best = max(mine, key=lambda r: float(r["val_acc"]))
-    print(f"best on validation: lr={best['learning_rate']} personal lr={best['personal_learning_rate']} "
-          f"-> {float(best['val_acc']):.4f}", flush=True)
+    print(f"best on validation: lr={best['learning_rate']} personal lr={best['personal_learning_rate']}"
+          + (f" C={best['clipping_norm']}" if best["clipping_norm"] else "")
+          + f" -> {float(best['val_acc']):.4f}", flush=True)
     return 0
 
 

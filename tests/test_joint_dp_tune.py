@@ -1,0 +1,75 @@
+"""The validation tuner's grid: clipping norms join the grid, old tuning tables gain
+the column with the value their runs used, finished points are not run again, and
+a grid point forwards its hyperparameters to the simulation (the simulation itself
+is exercised by the reproduce tests)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from flwr_jdp.reproduce.joint_dp import read_rows
+
+from .helpers import load_example
+
+OLD_HEADER = ("dataset,owners,method,trust,epsilon,personal_layers,coupling,validation_fraction,"
+              "learning_rate,personal_learning_rate,noise_multiplier,final_epsilon,val_acc,seconds\n")
+
+
+def _tune():
+    return load_example("joint_dp/tune.py", "jdp_tune")
+
+
+def _old_table(path):
+    path.write_text(OLD_HEADER
+                    + "fashion-mnist,8,joint-dp,local,1,fc1,decoupled,0.1,0.05,0.05,31.1,0.99,0.6279,665.2\n"
+                    + "fashion-mnist,8,fedavg,-,inf,fc1,-,0.1,0.05,0.05,0.0,0.0,0.7,10.0\n")
+
+
+def test_old_table_gains_the_clipping_norm_its_runs_used(tmp_path):
+    tune = _tune()
+    table = tmp_path / "tuning.csv"
+    _old_table(table)
+    rows = tune.upgrade_table(table)
+    assert [r["clipping_norm"] for r in rows] == ["1", ""]  # HPARAMS: C = 1 for DP cells
+    assert table.read_text().splitlines()[0].endswith(",clipping_norm")
+    assert read_rows(table) == rows and tune.upgrade_table(table) == rows  # idempotent
+
+
+def _main(tune, monkeypatch, *args):
+    monkeypatch.setattr(sys, "argv", ["tune.py", *args])
+    return tune.main()
+
+
+def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, monkeypatch, capsys):
+    tune = _tune()
+    _old_table(tmp_path / "tuning.csv")
+    calls = []
+
+    def fake_run_seed(cell, seed, data_dir, work_dir, supernodes, validation_fraction, extra):
+        calls.append((work_dir.name, validation_fraction, dict(extra)))
+        return {"final_accuracy": 0.61, "final_epsilon": 0.998, "noise_multiplier": 31.1,
+                "config": {"personal-coupling": "decoupled"}}
+
+    monkeypatch.setattr(tune, "run_seed", fake_run_seed)
+    common = ("--owners", "8", "--method", "joint-dp", "--out", str(tmp_path), "--learning-rates", "0.05")
+    assert _main(tune, monkeypatch, *common) == 0
+    assert calls == []  # lr 0.05 at the cell's C = 1 is already in the table
+    assert "skip lr=0.05 personal lr=0.05 C=1" in capsys.readouterr().out
+
+    assert _main(tune, monkeypatch, *common, "--clipping-norms", "1", "0.5") == 0
+    assert calls == [("lr0.05-plr0.05-c0.5", 0.1,
+                      {"learning-rate": 0.05, "personal-learning-rate": 0.05, "clipping-norm": 0.5})]
+    rows = read_rows(tmp_path / "tuning.csv")
+    assert rows[-1]["clipping_norm"] == "0.5" and rows[-1]["val_acc"] == "0.61"
+    assert "best on validation: lr=0.05 personal lr=0.05 C=1 -> 0.6279" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [("--method", "fedavg", "--clipping-norms", "1"),
+                                  ("--method", "joint-dp", "--clipping-norms", "0")])
+def test_bad_clipping_norms_fail_at_start(tmp_path, monkeypatch, capsys, args):
+    tune = _tune()
+    with pytest.raises(SystemExit):
+        _main(tune, monkeypatch, "--owners", "8", "--out", str(tmp_path), "--learning-rates", "0.05", *args)
+    assert "--clipping-norms" in capsys.readouterr().err
