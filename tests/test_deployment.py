@@ -45,7 +45,10 @@ def federation(tmp_path):
     def start(cmd, name):
         log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed below
         logs.append(log)
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
+        # each process leads its own process group, so teardown also reaches the
+        # ClientApp/ServerApp children it spawns (even after the leader was SIGKILLed)
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
 
     start([str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
            "--port", str(port), "--database", str(tmp_path / "state.db")], "superlink")
@@ -56,15 +59,36 @@ def federation(tmp_path):
     try:
         yield env, "testfed", tmp_path, procs[0].pid, procs
     finally:
-        for p in procs:
-            p.terminate()
+        # the SuperLink starts its SuperExec detached (a session of its own): note every
+        # live descendant now, before the parents exit and the children are re-parented
+        children = [pid for p in procs for pid in _descendants_named(p.pid, "")]
+        _signal_groups(procs, signal.SIGTERM)
         for p in procs:
             try:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                p.kill()
+                pass
+        _signal_groups(procs, signal.SIGKILL)  # whatever ignored SIGTERM, children included
+        for pid in children:
+            try:
+                cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+                if b"flwr" in cmd or b"flower" in cmd:  # not a recycled PID
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+        for p in procs:
+            p.wait(timeout=20)
         for log in logs:
             log.close()
+
+
+def _signal_groups(procs, sig) -> None:
+    """Send ``sig`` to the process group of every process started by the fixture."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the whole group has exited
 
 
 def _runs(env, fed):

@@ -178,3 +178,26 @@ def test_table4_has_one_line_per_records_per_user_bolds_dp_above_per_silo_and_fa
     assert lines[3] == ("| fashion-mnist | 256 | central | 5 |  |  | not run | not run | not run | "
                         "0.6000 ± 0.0000 (1) | not run | not run |")
     assert len(lines) == 4
+
+
+def test_table1_joint_dp_cell_is_fc1_personal_and_other_rules_get_their_own_table():
+    """A joint-DP run with more layers personal never replaces Table 1's FC1 cell; the
+    rule table sets it beside that cell and per-silo, with the shared parameter count."""
+    report = _report()
+
+    def row(method, acc, rule="fc1", trust="local"):
+        r = _row(Cell("fashion-mnist", 256, method, trust, 1.0), acc)
+        return {k: str(v) for k, v in dict(r, personal_layers=rule).items()}
+
+    t1 = [row("per-silo", 0.70), row("joint-dp", 0.71)]
+    rules = [row("joint-dp", 0.74, "conv1+conv2+fc1"), row("joint-dp", 0.76, "conv1+conv2+fc1"),
+             row("joint-dp", 0.50, "conv1+conv2+fc1", trust="central")]
+    line = [x for x in report.table1(t1 + rules[:1]).splitlines() if x.startswith("| fashion-mnist | 256")][0]
+    assert line.split(" | ")[5] == "0.7100 ± 0.0000 (1)"  # joint-DP local: the FC1 row
+    lines = report.personal_rule_table(rules, t1).splitlines()
+    # 44,724 parameters in all, 28,938 of them personal under this rule
+    assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
+            "| 0.7000 ± 0.0000 (1) |") in lines
+    assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.5000") and "not run" in x
+               for x in lines)
+    assert len(lines) == 2 + 2

@@ -3,7 +3,7 @@
     python examples/joint_dp/report.py [--results results/joint_dp]
 
 Reads ``table1.csv``, ``figure1.csv``, ``table2.csv``, ``table4.csv``,
-``table1_interleaved.csv``, ``tuning.csv`` and ``memory_*.csv`` (from
+``table1_personal.csv``, ``table1_interleaved.csv``, ``tuning.csv`` and ``memory_*.csv`` (from
 ``simulation_memory.py``; whichever exist) and writes ``figure1.png`` and ``tables.md`` beside them. Figure 1: mean
 personalized test accuracy against epsilon for joint-DP and full-DP (error bars:
 std over seeds), per-silo training as a dashed line, one panel per n; local-noise curves solid,
@@ -43,9 +43,32 @@ def table1(rows: list[dict[str, str]]) -> str:
         for method, trust in cols:
             hit = [r for r in rows if r["dataset"] == ds and int(r["owners"]) == n
                    and r["method"] == method and r["trust"] == trust
-                   and (trust == "-" or float(r["epsilon"]) == 1.0)]
+                   and (trust == "-" or float(r["epsilon"]) == 1.0)
+                   and (method != "joint-dp" or (r.get("personal_layers") or "fc1") == "fc1")]
             cells.append(_fmt(hit[-1]) if hit else "not run")
         lines.append(f"| {ds} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]]) -> str:
+    """Joint DP at epsilon = 1 with a personal-layer rule other than Table 1's FC1
+    (``table1_personal.csv``), one line per (n, trust, rule), beside Table 1's FC1 cell
+    of the same n and trust and Table 1's per-silo cell; the latest row of each wins."""
+    total = sum(_seed_cnn_sizes().values())
+    lines = ["| n | trust | personal | shared params | joint DP, this rule | joint DP, FC1 personal (Table 1) "
+             "| per-silo (Table 1) |", "|" + "---|" * 7]
+    keys = sorted({(int(r["owners"]), r["trust"], r.get("personal_layers") or "fc1") for r in rows})
+    for n, trust, rule in keys:
+        hit = [r for r in rows if int(r["owners"]) == n and r["trust"] == trust
+               and (r.get("personal_layers") or "fc1") == rule and float(r["epsilon"]) == 1.0]
+        if not hit:
+            continue
+        fc1 = [r for r in t1_rows if int(r["owners"]) == n and r["method"] == "joint-dp" and r["trust"] == trust
+               and float(r["epsilon"]) == 1.0 and (r.get("personal_layers") or "fc1") == "fc1"]
+        silo = [r for r in t1_rows if int(r["owners"]) == n and r["method"] == "per-silo"]
+        lines.append(f"| {n} | {trust} | {rule} | {total - personal_parameter_count(rule):,} | {_fmt(hit[-1])} | "
+                     + (_fmt(fc1[-1]) if fc1 else "not run") + " | "
+                     + (_fmt(silo[-1]) if silo else "not run") + " |")
     return "\n".join(lines)
 
 
@@ -322,6 +345,10 @@ def main() -> int:
     if samples:
         parts += ["### Memory of the simulation (summed PSS of Ray's and Flower's processes, "
                   "sampled every few seconds by `simulation_memory.py`)", memory(samples)]
+    rule_rows = read_rows(res / "table1_personal.csv")
+    if rule_rows:
+        parts += ["### Joint DP with more layers personal (ε = 1, δ = 1e-4; the rule was chosen on a "
+                  "validation split, `tuning.csv`)", personal_rule_table(rule_rows, t1)]
     inter = read_rows(res / "table1_interleaved.csv")
     if inter:
         parts += ["### Joint-DP with interleaved personal layers (the paper's Algorithm 1; "
@@ -329,12 +356,13 @@ def main() -> int:
                   generic(inter, ("dataset", "owners", "method", "trust", "epsilon"))]
     tuning = read_rows(res / "tuning.csv")
     if tuning:
-        keys = ("dataset", "owners", "method", "trust", "epsilon", "coupling", "validation_fraction",
+        keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
+                "validation_fraction",
                 "learning_rate", "personal_learning_rate", "clipping_norm", "noise_multiplier", "final_epsilon")
         lines = ["| " + " | ".join(keys) + " | validation accuracy |", "|" + "---|" * (len(keys) + 1)]
         lines += ["| " + " | ".join(r.get(k, "") for k in keys) + f" | {float(r['val_acc']):.4f} |"
                   for r in tuning]
-        parts += ["### Learning-rate and clipping-norm tuning on validation splits (`tune.py`; test split not read)",
+        parts += ["### Learning-rate, clipping-norm and personal-layer tuning on validation splits (`tune.py`; test split not read)",
                   "\n".join(lines)]
     text = "\n\n".join(parts) + "\n"
     (res / "tables.md").write_text(text)
