@@ -74,7 +74,7 @@ def federation(tmp_path):
                 cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
                 if b"flwr" in cmd or b"flower" in cmd:  # not a recycled PID
                     os.kill(pid, signal.SIGKILL)
-            except (OSError, ProcessLookupError):
+            except OSError:  # gone already (ProcessLookupError is an OSError)
                 pass
         for p in procs:
             p.wait(timeout=20)

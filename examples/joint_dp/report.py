@@ -44,10 +44,15 @@ def table1(rows: list[dict[str, str]]) -> str:
             hit = [r for r in rows if r["dataset"] == ds and int(r["owners"]) == n
                    and r["method"] == method and r["trust"] == trust
                    and (trust == "-" or float(r["epsilon"]) == 1.0)
-                   and (method != "joint-dp" or (r.get("personal_layers") or "fc1") == "fc1")]
+                   and (method != "joint-dp" or _rule(r) == "fc1")]
             cells.append(_fmt(hit[-1]) if hit else "not run")
         lines.append(f"| {ds} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _rule(row: dict[str, str]) -> str:
+    """The personal-layer rule of a row (rows written before the column existed: FC1)."""
+    return row.get("personal_layers") or "fc1"
 
 
 def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]]) -> str:
@@ -57,18 +62,14 @@ def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]
     total = sum(_seed_cnn_sizes().values())
     lines = ["| n | trust | personal | shared params | joint DP, this rule | joint DP, FC1 personal (Table 1) "
              "| per-silo (Table 1) |", "|" + "---|" * 7]
-    keys = sorted({(int(r["owners"]), r["trust"], r.get("personal_layers") or "fc1") for r in rows})
-    for n, trust, rule in keys:
-        hit = [r for r in rows if int(r["owners"]) == n and r["trust"] == trust
-               and (r.get("personal_layers") or "fc1") == rule and float(r["epsilon"]) == 1.0]
-        if not hit:
-            continue
-        fc1 = [r for r in t1_rows if int(r["owners"]) == n and r["method"] == "joint-dp" and r["trust"] == trust
-               and float(r["epsilon"]) == 1.0 and (r.get("personal_layers") or "fc1") == "fc1"]
-        silo = [r for r in t1_rows if int(r["owners"]) == n and r["method"] == "per-silo"]
-        lines.append(f"| {n} | {trust} | {rule} | {total - personal_parameter_count(rule):,} | {_fmt(hit[-1])} | "
-                     + (_fmt(fc1[-1]) if fc1 else "not run") + " | "
-                     + (_fmt(silo[-1]) if silo else "not run") + " |")
+    rows = [r for r in rows if r["method"] == "joint-dp" and float(r["epsilon"]) == 1.0]
+    t1_fc1 = [r for r in t1_rows if float(r["epsilon"]) == 1.0 and _rule(r) == "fc1"]
+    for n, trust, rule in sorted({(int(r["owners"]), r["trust"], _rule(r)) for r in rows}):
+        cells = [_latest([r for r in rows if _rule(r) == rule], owners=str(n), trust=trust),
+                 _latest(t1_fc1, owners=str(n), method="joint-dp", trust=trust),
+                 _latest(t1_rows, owners=str(n), method="per-silo")]
+        lines.append(f"| {n} | {trust} | {rule} | {total - personal_parameter_count(rule):,} | "
+                     + " | ".join(_fmt(c) if c else "not run" for c in cells) + " |")
     return "\n".join(lines)
 
 
