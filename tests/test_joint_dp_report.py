@@ -197,7 +197,37 @@ def test_table1_joint_dp_cell_is_fc1_personal_and_other_rules_get_their_own_tabl
     lines = report.personal_rule_table(rules, t1).splitlines()
     # 44,724 parameters in all, 28,938 of them personal under this rule
     assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
-            "| 0.7000 ± 0.0000 (1) |") in lines
+            "| 0.7000 ± 0.0000 (1) |  |") in lines
     assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.5000") and "not run" in x
                for x in lines)
     assert len(lines) == 2 + 2
+
+
+def test_rule_minus_per_silo_is_paired_by_seed_over_the_seeds_both_rows_average(tmp_path):
+    """The paired column subtracts per-silo's seed s from the rule's seed s, only for
+    completed seeds below each row's seed count, and counts the seeds above."""
+    report = _report()
+    rule = Cell("fashion-mnist", 512, "joint-dp", "local", 1.0, personal="conv1+conv2+fc1")
+    silo = Cell("fashion-mnist", 512, "per-silo", "local", 1.0)
+
+    def done(cell, seed, acc, status="completed"):
+        d = tmp_path / cell.name / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"status": status, "final_accuracy": acc}))
+
+    for seed, (a, b) in enumerate([(0.66, 0.64), (0.63, 0.62), (0.60, 0.65)]):
+        done(rule, seed, a)
+        done(silo, seed, b)
+    done(rule, 3, 0.99)  # a seed beyond the row's count is not paired
+    done(silo, 3, 0.10)
+    rows = [{k: str(v) for k, v in dict(_row(rule, 0.63), seeds=3, personal_layers=rule.personal).items()}]
+    t1 = [{k: str(v) for k, v in dict(_row(silo, 0.637), seeds=3).items()}]
+    line = report.personal_rule_table(rows, t1, tmp_path).splitlines()[2]
+    diffs = [0.02, 0.01, -0.05]
+    mean = sum(diffs) / 3
+    std = (sum((d - mean) ** 2 for d in diffs) / 2) ** 0.5
+    assert line.endswith(f"| {mean:+.4f} ± {std:.4f} (2 of 3 seeds above) |")
+    # a failed seed drops out of the pairing
+    (tmp_path / rule.name / "seed2" / "results.json").write_text(json.dumps({"status": "failed"}))
+    assert report.personal_rule_table(rows, t1, tmp_path).splitlines()[2].endswith(
+        "| +0.0150 ± 0.0071 (2 of 2 seeds above) |")

@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -55,22 +56,55 @@ def _rule(row: dict[str, str]) -> str:
     return row.get("personal_layers") or "fc1"
 
 
-def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]]) -> str:
+def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]],
+                        runs: Path | None = None) -> str:
     """Joint DP at epsilon = 1 with a personal-layer rule other than Table 1's FC1
     (``table1_personal.csv``), one line per (n, trust, rule), beside Table 1's FC1 cell
-    of the same n and trust and Table 1's per-silo cell; the latest row of each wins."""
+    of the same n and trust and Table 1's per-silo cell; the latest row of each wins.
+    With ``runs``, the last column is this rule minus per-silo paired by seed (see
+    ``paired_difference``)."""
     total = sum(_seed_cnn_sizes().values())
     lines = ["| n | trust | personal | shared params | joint DP, this rule | joint DP, FC1 personal (Table 1) "
-             "| per-silo (Table 1) |", "|" + "---|" * 7]
+             "| per-silo (Table 1) | this rule − per-silo, paired by seed |", "|" + "---|" * 8]
     rows = [r for r in rows if r["method"] == "joint-dp" and float(r["epsilon"]) == 1.0]
     t1_fc1 = [r for r in t1_rows if float(r["epsilon"]) == 1.0 and _rule(r) == "fc1"]
     for n, trust, rule in sorted({(int(r["owners"]), r["trust"], _rule(r)) for r in rows}):
         cells = [_latest([r for r in rows if _rule(r) == rule], owners=str(n), trust=trust),
                  _latest(t1_fc1, owners=str(n), method="joint-dp", trust=trust),
                  _latest(t1_rows, owners=str(n), method="per-silo")]
+        paired = paired_difference(runs, cells[0], cells[2]) if runs and cells[0] and cells[2] else ""
         lines.append(f"| {n} | {trust} | {rule} | {total - personal_parameter_count(rule):,} | "
-                     + " | ".join(_fmt(c) if c else "not run" for c in cells) + " |")
+                     + " | ".join(_fmt(c) if c else "not run" for c in cells) + f" | {paired} |")
     return "\n".join(lines)
+
+
+def seed_accuracies(runs: Path, row: dict[str, str]) -> dict[int, float]:
+    """Final accuracy of each completed seed of ``row``'s cell that the row averages
+    (seeds 0 .. seeds - 1), read from the runs' results.json."""
+    out = {}
+    for seed in range(int(row["seeds"])):
+        f = runs / cell_of(row).name / f"seed{seed}" / "results.json"
+        if f.is_file():
+            res = json.loads(f.read_text())
+            if res.get("status") == "completed" and res.get("final_accuracy") is not None:
+                out[seed] = float(res["final_accuracy"])
+    return out
+
+
+def paired_difference(runs: Path, a: dict[str, str], b: dict[str, str]) -> str:
+    """Accuracy of ``a`` minus ``b`` paired by seed, as "mean ± std (k of m above)".
+
+    Pairing is sound because a run's seed fixes its data: the N-record subset, the
+    owners' classes and their train and test splits depend on the seed, n and the data
+    settings every cell shares, not on the method (``apps/owner_state.owner_data``), so seed s of both cells sees the same owners. Only seeds that both
+    rows average are paired; an empty string when there is none."""
+    acc_a, acc_b = seed_accuracies(runs, a), seed_accuracies(runs, b)
+    diffs = [acc_a[s] - acc_b[s] for s in sorted(acc_a.keys() & acc_b.keys())]
+    if not diffs:
+        return ""
+    std = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+    above = sum(d > 0 for d in diffs)
+    return f"{statistics.mean(diffs):+.4f} ± {std:.4f} ({above} of {len(diffs)} seeds above)"
 
 
 def cell_of(row: dict[str, str]) -> Cell:
@@ -349,7 +383,7 @@ def main() -> int:
     rule_rows = read_rows(res / "table1_personal.csv")
     if rule_rows:
         parts += ["### Joint DP with more layers personal (ε = 1, δ = 1e-4; the rule was chosen on a "
-                  "validation split, `tuning.csv`)", personal_rule_table(rule_rows, t1)]
+                  "validation split, `tuning.csv`)", personal_rule_table(rule_rows, t1, res / "runs")]
     inter = read_rows(res / "table1_interleaved.csv")
     if inter:
         parts += ["### Joint-DP with interleaved personal layers (the paper's Algorithm 1; "
