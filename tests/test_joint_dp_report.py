@@ -67,6 +67,21 @@ def test_figure1_points_keep_trust_models_apart_and_include_table1(tmp_path):
     assert (tmp_path / "figure1.png").stat().st_size > 0
 
 
+def test_legend_names_curves_of_every_panel_once():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = _report()
+    fig, axes = plt.subplots(1, 2)
+    axes[0].plot([1, 2], [0.5, 0.6], label="joint-dp (central)")
+    axes[1].plot([1, 2], [0.5, 0.6], label="joint-dp (central)")
+    axes[1].plot([1, 2], [0.4, 0.5], label="joint-dp (local)")  # only in the second panel
+    assert list(report.legend_handles(axes)) == ["joint-dp (central)", "joint-dp (local)"]
+    plt.close(fig)
+
+
 def test_figure1_points_table_pairs_joint_and_full_dp_sorted_by_epsilon(tmp_path):
     """One line per (n, trust, epsilon); Table 1's epsilon = 1 cell is marked T1, the
     later of two rows for a point wins and a missing method reads "not run"."""

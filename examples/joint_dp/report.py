@@ -312,6 +312,16 @@ def figure1_points(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]]
     return "\n".join(lines)
 
 
+def legend_handles(axes) -> dict[str, object]:
+    """One handle per label over all panels, in first-drawn order, so the single
+    legend names every curve even when the first panel lacks some of them."""
+    handles: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    return handles
+
+
 def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path: Path) -> bool:
     """Accuracy vs epsilon per n; returns False when there is nothing to draw."""
     import matplotlib
@@ -330,7 +340,8 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
                           if _figure_point(r, n, method, trust)}.items())
             if pts and any(_figure_point(r, n, method, trust) for r in fig_rows):
                 eps = [e for e, _ in pts]
-                ax.errorbar(eps, [a for _, (a, _) in pts], yerr=[s for _, (_, s) in pts], marker="o",
+                ax.errorbar(eps, [a for _, (a, _) in pts], yerr=[s for _, (_, s) in pts],
+                            marker="o" if trust == "local" else "s",
                             color=color, ls=style, label=f"{method} ({trust})", capsize=3)
         silo = [float(r["acc_mean"]) for r in t1_rows + fig_rows
                 if int(r["owners"]) == n and r["method"] == "per-silo"]
@@ -342,7 +353,8 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("mean personalized test accuracy")
-    axes[0][0].legend(loc="lower right", fontsize=8)
+    handles = legend_handles(axes[0])
+    axes[0][0].legend(list(handles.values()), list(handles), loc="lower right", fontsize=8)
     datasets = sorted({r["dataset"] for r in fig_rows})
     trusts = sorted({r["trust"] for r in fig_rows})
     fig.suptitle(f"Figure 1 ({', '.join(datasets)}; trust: {', '.join(trusts)}; delta = 1e-4)", fontsize=9)
