@@ -97,9 +97,9 @@ def test_figure1_points_table_pairs_joint_and_full_dp_sorted_by_epsilon(tmp_path
     lines = report.figure1_points(read_rows(tmp_path / "figure1.csv"),
                                   read_rows(tmp_path / "table1.csv")).splitlines()[2:]
     assert lines == [
-        "| 8 | central | 1 | 0.7000 ± 0.0000 (1) T1 | 0.5000 ± 0.0000 (1) T1 | +0.2000 | 0.6000 |",
-        "| 8 | central | 2 | 0.7500 ± 0.0000 (1) | 0.5500 ± 0.0000 (1) | +0.2000 | 0.6000 |",
-        "| 8 | central | 10 | 0.8000 ± 0.0000 (1) | not run |  | 0.6000 |",
+        "| 8 | central | 1 | 0.7000 ± 0.0000 (1) T1 | 0.5000 ± 0.0000 (1) T1 | +0.2000 | 0.6000 |  |",
+        "| 8 | central | 2 | 0.7500 ± 0.0000 (1) | 0.5500 ± 0.0000 (1) | +0.2000 | 0.6000 |  |",
+        "| 8 | central | 10 | 0.8000 ± 0.0000 (1) | not run |  | 0.6000 |  |",
     ]
 
 
@@ -246,3 +246,20 @@ def test_rule_minus_per_silo_is_paired_by_seed_over_the_seeds_both_rows_average(
     (tmp_path / rule.name / "seed2" / "results.json").write_text(json.dumps({"status": "failed"}))
     assert report.personal_rule_table(rows, t1, tmp_path).splitlines()[2].endswith(
         "| +0.0150 ± 0.0071 (2 of 2 seeds above) |")
+
+
+def test_figure1_point_minus_per_silo_pairs_a_one_seed_point_with_seed_0(tmp_path):
+    """A one-seed Figure 1 point is paired with per-silo's seed 0 only, not with the
+    per-silo mean over its three seeds."""
+    report = _report()
+    point = Cell("fashion-mnist", 64, "joint-dp", "local", 5.0)
+    silo = Cell("fashion-mnist", 64, "per-silo", "local", 1.0)
+    for cell, seed, acc in ((point, 0, 0.787), (silo, 0, 0.798), (silo, 1, 0.805), (silo, 2, 0.803)):
+        d = tmp_path / cell.name / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"status": "completed", "final_accuracy": acc}))
+    fig = [{k: str(v) for k, v in _row(point, 0.787).items()}]
+    t1 = [{k: str(v) for k, v in dict(_row(silo, 0.802), seeds=3).items()}]
+    line = report.figure1_points(fig, t1, tmp_path).splitlines()[2]
+    assert line.startswith("| 64 | local | 5 | 0.7870")
+    assert line.endswith("| 0.8020 | -0.0110 ± 0.0000 (0 of 1 seeds above) |")

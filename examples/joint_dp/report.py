@@ -286,12 +286,16 @@ def _figure_point(r: dict[str, str], n: int, method: str, trust: str) -> bool:
             and (r.get("coupling") or "decoupled") in ("decoupled", "-"))
 
 
-def figure1_points(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]]) -> str:
+def figure1_points(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]],
+                   runs: Path | None = None) -> str:
     """Figure 1's points as a table: one line per (n, trust, epsilon) with joint DP and
     full DP side by side and their difference, sorted by n, trust and epsilon. Table 1's
-    epsilon = 1 rows count too (marked "T1"); the latest row of a point wins."""
+    epsilon = 1 rows count too (marked "T1"); the latest row of a point wins. With
+    ``runs``, a last column gives joint DP minus per-silo paired by seed
+    (``paired_difference``: a one-seed point pairs with per-silo's seed 0)."""
     rows = t1_rows + fig_rows
-    lines = ["| n | trust | ε | joint DP | full DP | joint − full | per-silo |", "|" + "---|" * 7]
+    lines = ["| n | trust | ε | joint DP | full DP | joint − full | per-silo "
+             "| joint − per-silo, paired by seed |", "|" + "---|" * 8]
     keys = sorted({(int(r["owners"]), r["trust"], float(r["epsilon"])) for r in fig_rows})
     for n, trust in sorted({(n, t) for n, t, _ in keys}):
         eps = sorted({float(r["epsilon"]) for r in rows for m in ("joint-dp", "full-dp")
@@ -308,7 +312,9 @@ def figure1_points(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]]
                      for r, from_t1 in (got[m] or (None, False) for m in ("joint-dp", "full-dp"))]
             diff = (f"{float(got['joint-dp'][0]['acc_mean']) - float(got['full-dp'][0]['acc_mean']):+.4f}"
                     if got["joint-dp"] and got["full-dp"] else "")
-            lines.append(f"| {n} | {trust} | {e:g} | {cells[0]} | {cells[1]} | {diff} | {silo_txt} |")
+            paired = (paired_difference(runs, got["joint-dp"][0], silo[-1])
+                      if runs and got["joint-dp"] and silo else "")
+            lines.append(f"| {n} | {trust} | {e:g} | {cells[0]} | {cells[1]} | {diff} | {silo_txt} | {paired} |")
     return "\n".join(lines)
 
 
@@ -380,7 +386,7 @@ def main() -> int:
                   timing(t1, res / "runs")]
     if f1:
         parts += ["### Figure 1 points (record level, FC1 personal; T1: the Table 1 cell at ε = 1)",
-                  figure1_points(f1, t1)]
+                  figure1_points(f1, t1, res / "runs")]
         figure1(f1, t1, res / "figure1.png")
     if t2:
         parts += ["### Table 2 (which layers are personal; n = 128, ε = 1, δ = 1e-4; FC2 always shared)",
