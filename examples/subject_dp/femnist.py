@@ -9,9 +9,11 @@ runs the same apps on a Flower federation).
     python examples/subject_dp/femnist.py --data-dir ../shared/data/femnist \\
         --alpha 1 --runs fedavg local-item-dp higradavg-exact user-ldp
 
-Rows go to ``results/subject_dp/femnist.csv`` (a row with the same run, alpha and
+Rows go to ``results/subject_dp/femnist.csv`` (a row with the same run, alpha, learning rate, seed and
 evaluation split is replaced), the accuracy history, batch-statistics histograms
-and the plan of each run to ``results/subject_dp/runs/<run>_alpha<a>[_val].json``.
+and the plan of each run to ``results/subject_dp/runs/<run>_alpha<a>[_lr<lr>].json``
+(``_lr<lr>`` when the learning rate is not the default; ``_val_lr<lr>`` for validation
+runs).
 ``--evaluate-on validation`` evaluates on the validation split carved from the
 training records (for choosing the learning rate); the committed table uses the
 test set with settings chosen on validation. ``report.py`` draws the plots.
@@ -141,7 +143,10 @@ def main(dataset: str = "femnist", doc: str | None = None) -> None:
         detail = run_one(name, alpha, args, seed)
         print(json.dumps(detail["row"]), flush=True)
         write_row(table, detail["row"])
-        suffix = "" if args.evaluate_on == "test" else f"_val_lr{args.learning_rate:g}"
+        if args.evaluate_on == "validation":
+            suffix = f"_val_lr{args.learning_rate:g}"
+        else:  # a test run at another rate than the default keeps the default's file
+            suffix = "" if args.learning_rate == DEFAULTS[dataset][1] else f"_lr{args.learning_rate:g}"
         suffix += f"_seed{seed}" if seed else ""
         path = out / "runs" / f"{prefix}{name}_alpha{alpha:g}{suffix}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

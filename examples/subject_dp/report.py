@@ -33,15 +33,15 @@ ROOT = Path(__file__).resolve().parents[2]
 TITLES = {"femnist": "FEMNIST, 300 writers as subjects", "shakespeare": "Tiny Shakespeare, 134 characters as subjects"}
 
 
-def load_runs(folder: Path, dataset: str) -> dict[tuple[str, float], dict]:
-    """(run, alpha) -> the seed-0 test run of ``dataset``."""
+def load_runs(folder: Path, dataset: str) -> dict[tuple[str, float, float], dict]:
+    """(run, alpha, learning rate) -> the seed-0 test run of ``dataset``."""
     runs = {}
     for path in sorted(folder.glob("*.json")):
         doc = json.loads(path.read_text())
         row = doc["row"]
         if (doc.get("dataset", "femnist") == dataset and row["evaluate_on"] == "test"
                 and int(row.get("seed") or 0) == 0):
-            runs[(row["run"], float(row["alpha"]))] = doc
+            runs[(row["run"], float(row["alpha"]), float(row["learning_rate"]))] = doc
     return runs
 
 
@@ -63,14 +63,17 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 def plot_accuracy(runs: dict, out: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (name, alpha), doc in runs.items():
+    several = {n for n, a, _ in runs if a == 1.0 and sum(k[:2] == (n, a) for k in runs) > 1}
+    for (name, alpha, lr), doc in sorted(runs.items()):
         if alpha != 1.0:
             continue
         hist = [(h["round"], h["accuracy"]) for h in doc["history"] if "accuracy" in h]
         r, a = zip(*hist)
         row = doc["row"]
         eps = row["epsilon"] if row["method"] not in ("fedavg", "local-group-dp") else None
-        label = f"{name} (z={float(row['noise_multiplier']):.3g}" + (f", eps={float(eps):.3g})" if eps else ")")
+        noise = "sigma_Z per batch" if row["method"] == "local-group-dp" else f"z={float(row['noise_multiplier']):.3g}"
+        label = f"{name} ({noise}" + (f", eps={float(eps):.3g}" if eps else "")
+        label += f", lr={lr:g})" if name in several else ")"
         ax.plot(r, a, marker=".", label=label)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
@@ -83,7 +86,9 @@ def plot_accuracy(runs: dict, out: Path, title: str) -> None:
 
 
 def plot_histograms(runs: dict, out: Path, title: str) -> None:
-    doc = runs.get(("higradavg-exact", 1.0)) or next(iter(runs.values()))
+    """Batch statistics depend on the sampling only, not on the learning rate."""
+    doc = next((d for k, d in sorted(runs.items()) if k[:2] == ("higradavg-exact", 1.0)),
+               next(iter(runs.values())))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, key, title in ((axes[0], "group_size_histogram", "largest records of one subject per batch (Z)"),
                            (axes[1], "distinct_subjects_histogram", "distinct subjects per batch")):
@@ -98,9 +103,10 @@ def plot_histograms(runs: dict, out: Path, title: str) -> None:
     plt.close(fig)
 
 
-def plot_alpha(rows: list[dict], out: Path) -> bool:
+def plot_alpha(rows: list[dict], out: Path, learning_rate: float) -> bool:
+    """Final accuracy against alpha, at the one learning rate the sweep ran at."""
     by_run: dict[str, list[tuple[float, float]]] = {}
-    for r in rows:
+    for r in (r for r in rows if float(r["learning_rate"]) == learning_rate):
         by_run.setdefault(r["run"], []).append((float(r["alpha"]), float(r["acc_mean"])))
     by_run = {k: sorted(v) for k, v in by_run.items() if len({a for a, _ in v}) > 1}
     if not by_run:
@@ -109,7 +115,7 @@ def plot_alpha(rows: list[dict], out: Path) -> bool:
     for name, pts in by_run.items():
         ax.plot(*zip(*pts), marker="o", label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("alpha (power-law silo assignment)")
+    ax.set_xlabel(f"alpha (power-law silo assignment); learning rate {learning_rate:g}")
     ax.set_ylabel("final test accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -123,6 +129,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "results" / "subject_dp"))
     ap.add_argument("--dataset", choices=list(TITLES), default="femnist")
+    ap.add_argument("--sweep-learning-rate", type=float, default=0.2,
+                    help="the learning rate the alpha sweep ran at (alpha_sweep.png)")
     args = ap.parse_args()
     folder = Path(args.results)
     prefix = "" if args.dataset == "femnist" else f"{args.dataset}_"
@@ -131,7 +139,7 @@ def main() -> None:
     runs = load_runs(folder / "runs", args.dataset)
     plot_accuracy(runs, folder / f"{prefix}accuracy_rounds.png", TITLES[args.dataset])
     plot_histograms(runs, folder / f"{prefix}batch_histograms.png", TITLES[args.dataset])
-    plot_alpha(rows, folder / f"{prefix}alpha_sweep.png")
+    plot_alpha(rows, folder / f"{prefix}alpha_sweep.png", args.sweep_learning_rate)
     cols = ["run", "alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "epsilon", "unit",
             "learning_rate", "seeds", "acc_final"]
     print("| " + " | ".join(cols) + " |")
@@ -139,9 +147,11 @@ def main() -> None:
     for r in sorted(rows, key=lambda r: (float(r["alpha"]), r["run"])):
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
     print("\nper-batch group size Z (largest records of one subject): mean, max")
-    for (name, alpha), doc in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    seen = set()
+    for (name, alpha, _), doc in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         hist = {int(k): v for k, v in doc["group_size_histogram"].items()}
-        if hist:
+        if hist and (name, alpha) not in seen:  # the same sampling at every learning rate
+            seen.add((name, alpha))
             mean = sum(k * v for k, v in hist.items()) / sum(hist.values())
             print(f"  {name} alpha={alpha:g}: {mean:.1f}, {max(hist)}")
 

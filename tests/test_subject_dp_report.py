@@ -1,0 +1,41 @@
+"""The subject-level report keeps test runs at different learning rates apart, and
+draws the alpha sweep at the one learning rate it ran at."""
+
+from __future__ import annotations
+
+import json
+
+from .helpers import load_example
+
+
+def _report():
+    return load_example("subject_dp/report.py", "sdp_report")
+
+
+def _doc(run: str, alpha: float, lr: float, acc: float, evaluate_on: str = "test") -> dict:
+    row = {"run": run, "method": "higradavg-dp", "alpha": alpha, "learning_rate": lr,
+           "evaluate_on": evaluate_on, "seed": 0, "acc_final": acc, "noise_multiplier": 50.0,
+           "epsilon": 4.0}
+    return {"row": row, "history": [{"round": 1, "accuracy": acc}],
+            "group_size_histogram": {"3": 2}, "distinct_subjects_histogram": {"100": 2}}
+
+
+def test_runs_at_two_learning_rates_are_both_kept(tmp_path):
+    report = _report()
+    for name, doc in {"h_alpha1.json": _doc("higradavg-exact", 1.0, 0.2, 0.10),
+                      "h_alpha1_lr0.05.json": _doc("higradavg-exact", 1.0, 0.05, 0.15),
+                      "h_alpha1_val_lr0.8.json": _doc("higradavg-exact", 1.0, 0.8, 0.05, "validation")}.items():
+        (tmp_path / name).write_text(json.dumps(doc))
+    runs = report.load_runs(tmp_path, "femnist")
+    assert set(runs) == {("higradavg-exact", 1.0, 0.2), ("higradavg-exact", 1.0, 0.05)}
+    report.plot_accuracy(runs, tmp_path / "acc.png", "t")
+    assert (tmp_path / "acc.png").stat().st_size > 0
+
+
+def test_alpha_sweep_uses_only_the_sweep_learning_rate(tmp_path):
+    report = _report()
+    rows = [{"run": "higradavg-exact", "alpha": a, "learning_rate": lr, "acc_mean": acc}
+            for a, lr, acc in [(1.0, 0.2, 0.10), (4.0, 0.2, 0.12), (1.0, 0.05, 0.15)]]
+    assert report.plot_alpha(rows, tmp_path / "a.png", 0.2)
+    # at 0.05 only alpha = 1 ran: no sweep to draw
+    assert not report.plot_alpha(rows, tmp_path / "b.png", 0.05)
