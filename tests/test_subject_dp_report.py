@@ -1,5 +1,5 @@
 """The subject-level report keeps test runs at different learning rates apart, and
-draws the alpha sweep at the one learning rate it ran at."""
+draws one alpha-sweep series per learning rate."""
 
 from __future__ import annotations
 
@@ -32,10 +32,14 @@ def test_runs_at_two_learning_rates_are_both_kept(tmp_path):
     assert (tmp_path / "acc.png").stat().st_size > 0
 
 
-def test_alpha_sweep_uses_only_the_sweep_learning_rate(tmp_path):
+def test_alpha_sweep_keeps_learning_rates_apart(tmp_path):
     report = _report()
-    rows = [{"run": "higradavg-exact", "alpha": a, "learning_rate": lr, "acc_mean": acc}
-            for a, lr, acc in [(1.0, 0.2, 0.10), (4.0, 0.2, 0.12), (1.0, 0.05, 0.15)]]
+    rows = [{"run": "local-item-dp", "alpha": a, "learning_rate": lr, "acc_mean": acc}
+            for a, lr, acc in [(1.0, 0.2, 0.40), (4.0, 0.2, 0.41), (1.0, 3.2, 0.73), (4.0, 3.2, 0.71),
+                               (1.0, 0.05, 0.25)]]
+    series = report.alpha_series(rows, 0.2)
+    # one series per rate; the rate that ran at one alpha only is no sweep
+    assert series == {"local-item-dp": [(1.0, 0.40), (4.0, 0.41)],
+                      "local-item-dp (lr 3.2)": [(1.0, 0.73), (4.0, 0.71)]}
     assert report.plot_alpha(rows, tmp_path / "a.png", 0.2)
-    # at 0.05 only alpha = 1 ran: no sweep to draw
-    assert not report.plot_alpha(rows, tmp_path / "b.png", 0.05)
+    assert not report.plot_alpha(rows[4:], tmp_path / "b.png", 0.2)

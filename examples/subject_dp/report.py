@@ -103,19 +103,29 @@ def plot_histograms(runs: dict, out: Path, title: str) -> None:
     plt.close(fig)
 
 
-def plot_alpha(rows: list[dict], out: Path, learning_rate: float) -> bool:
-    """Final accuracy against alpha, at the one learning rate the sweep ran at."""
+def alpha_series(rows: list[dict], learning_rate: float) -> dict[str, list[tuple[float, float]]]:
+    """One (alpha, accuracy) series per run and learning rate, never mixing rates.
+
+    Runs at the sweep's ``learning_rate`` are labelled by name; runs at another rate
+    carry it in the label. A series needs at least two alphas."""
     by_run: dict[str, list[tuple[float, float]]] = {}
-    for r in (r for r in rows if float(r["learning_rate"]) == learning_rate):
-        by_run.setdefault(r["run"], []).append((float(r["alpha"]), float(r["acc_mean"])))
-    by_run = {k: sorted(v) for k, v in by_run.items() if len({a for a, _ in v}) > 1}
+    for r in rows:
+        lr = float(r["learning_rate"])
+        label = r["run"] if lr == learning_rate else f"{r['run']} (lr {lr:g})"
+        by_run.setdefault(label, []).append((float(r["alpha"]), float(r["acc_mean"])))
+    return {k: sorted(v) for k, v in by_run.items() if len({a for a, _ in v}) > 1}
+
+
+def plot_alpha(rows: list[dict], out: Path, learning_rate: float) -> bool:
+    """Final accuracy against alpha; False (nothing drawn) when no run has two alphas."""
+    by_run = alpha_series(rows, learning_rate)
     if not by_run:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, pts in by_run.items():
         ax.plot(*zip(*pts), marker="o", label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel(f"alpha (power-law silo assignment); learning rate {learning_rate:g}")
+    ax.set_xlabel(f"alpha (power-law silo assignment); learning rate {learning_rate:g} unless labelled")
     ax.set_ylabel("final test accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -130,7 +140,7 @@ def main() -> None:
     ap.add_argument("--results", default=str(ROOT / "results" / "subject_dp"))
     ap.add_argument("--dataset", choices=list(TITLES), default="femnist")
     ap.add_argument("--sweep-learning-rate", type=float, default=0.2,
-                    help="the learning rate the alpha sweep ran at (alpha_sweep.png)")
+                    help="the alpha sweep's learning rate; series at other rates are labelled with theirs")
     args = ap.parse_args()
     folder = Path(args.results)
     prefix = "" if args.dataset == "femnist" else f"{args.dataset}_"
