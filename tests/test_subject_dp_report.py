@@ -37,9 +37,9 @@ def test_alpha_sweep_keeps_learning_rates_apart(tmp_path):
     rows = [{"run": "local-item-dp", "alpha": a, "learning_rate": lr, "acc_mean": acc}
             for a, lr, acc in [(1.0, 0.2, 0.40), (4.0, 0.2, 0.41), (1.0, 3.2, 0.73), (4.0, 3.2, 0.71),
                                (1.0, 0.05, 0.25)]]
-    series = report.alpha_series(rows, 0.2)
+    series = report.alpha_series(rows)
     # one series per rate; the rate that ran at one alpha only is no sweep
-    assert series == {"local-item-dp": [(1.0, 0.40), (4.0, 0.41)],
+    assert series == {"local-item-dp (lr 0.2)": [(1.0, 0.40), (4.0, 0.41)],
                       "local-item-dp (lr 3.2)": [(1.0, 0.73), (4.0, 0.71)]}
-    assert report.plot_alpha(rows, tmp_path / "a.png", 0.2)
-    assert not report.plot_alpha(rows[4:], tmp_path / "b.png", 0.2)
+    assert report.plot_alpha(rows, tmp_path / "a.png")
+    assert not report.plot_alpha(rows[4:], tmp_path / "b.png")

@@ -109,7 +109,8 @@ def write_row(path: Path, row: dict) -> None:
     write_csv(path, [{k: r.get(k, "") for k in FIELDS} for r in rows])
 
 
-#: dataset -> (default data folder, default learning rate chosen on the validation split)
+#: dataset -> (default data folder, default learning rate). The rate each method runs at
+#: was chosen on the validation split and is passed with --learning-rate (README).
 DEFAULTS = {"femnist": ("femnist", 0.2), "shakespeare": ("tinyshakespeare", 2.0)}
 
 

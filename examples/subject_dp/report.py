@@ -103,32 +103,29 @@ def plot_histograms(runs: dict, out: Path, title: str) -> None:
     plt.close(fig)
 
 
-def alpha_series(rows: list[dict], learning_rate: float) -> dict[str, list[tuple[float, float]]]:
-    """One (alpha, accuracy) series per run and learning rate, never mixing rates.
-
-    Runs at the sweep's ``learning_rate`` are labelled by name; runs at another rate
-    carry it in the label. A series needs at least two alphas."""
+def alpha_series(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """One (alpha, accuracy) series per run and learning rate, never mixing rates;
+    a series needs at least two alphas."""
     by_run: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        lr = float(r["learning_rate"])
-        label = r["run"] if lr == learning_rate else f"{r['run']} (lr {lr:g})"
+        label = f"{r['run']} (lr {float(r['learning_rate']):g})"
         by_run.setdefault(label, []).append((float(r["alpha"]), float(r["acc_mean"])))
     return {k: sorted(v) for k, v in by_run.items() if len({a for a, _ in v}) > 1}
 
 
-def plot_alpha(rows: list[dict], out: Path, learning_rate: float) -> bool:
+def plot_alpha(rows: list[dict], out: Path) -> bool:
     """Final accuracy against alpha; False (nothing drawn) when no run has two alphas."""
-    by_run = alpha_series(rows, learning_rate)
+    by_run = alpha_series(rows)
     if not by_run:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, pts in by_run.items():
         ax.plot(*zip(*pts), marker="o", label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel(f"alpha (power-law silo assignment); learning rate {learning_rate:g} unless labelled")
+    ax.set_xlabel("alpha (power-law silo assignment)")
     ax.set_ylabel("final test accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center right", bbox_to_anchor=(1.0, 0.72))  # in the empty band
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -139,8 +136,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "results" / "subject_dp"))
     ap.add_argument("--dataset", choices=list(TITLES), default="femnist")
-    ap.add_argument("--sweep-learning-rate", type=float, default=0.2,
-                    help="the alpha sweep's learning rate; series at other rates are labelled with theirs")
     args = ap.parse_args()
     folder = Path(args.results)
     prefix = "" if args.dataset == "femnist" else f"{args.dataset}_"
@@ -149,7 +144,7 @@ def main() -> None:
     runs = load_runs(folder / "runs", args.dataset)
     plot_accuracy(runs, folder / f"{prefix}accuracy_rounds.png", TITLES[args.dataset])
     plot_histograms(runs, folder / f"{prefix}batch_histograms.png", TITLES[args.dataset])
-    plot_alpha(rows, folder / f"{prefix}alpha_sweep.png", args.sweep_learning_rate)
+    plot_alpha(rows, folder / f"{prefix}alpha_sweep.png")
     cols = ["run", "alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "epsilon", "unit",
             "learning_rate", "seeds", "acc_final"]
     print("| " + " | ".join(cols) + " |")
