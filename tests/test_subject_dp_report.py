@@ -39,7 +39,19 @@ def test_alpha_sweep_keeps_learning_rates_apart(tmp_path):
                                (1.0, 0.05, 0.25)]]
     series = report.alpha_series(rows)
     # one series per rate; the rate that ran at one alpha only is no sweep
-    assert series == {"local-item-dp (lr 0.2)": [(1.0, 0.40), (4.0, 0.41)],
-                      "local-item-dp (lr 3.2)": [(1.0, 0.73), (4.0, 0.71)]}
+    assert series == {"local-item-dp (lr 0.2)": [(1.0, 0.40, 0.0), (4.0, 0.41, 0.0)],
+                      "local-item-dp (lr 3.2)": [(1.0, 0.73, 0.0), (4.0, 0.71, 0.0)]}
     assert report.plot_alpha(rows, tmp_path / "a.png")
     assert not report.plot_alpha(rows[4:], tmp_path / "b.png")
+
+
+def test_seeds_are_averaged_and_their_spread_reaches_the_alpha_sweep():
+    report = _report()
+    rows = [{"run": "fedavg", "alpha": a, "learning_rate": 0.2, "acc_final": acc, "seed": k}
+            for a, k, acc in [(1.0, 0, 0.70), (1.0, 1, 0.80), (1.0, 2, 0.75), (4.0, 0, 0.60)]]
+    agg = {float(r["alpha"]): r for r in report.aggregate(rows)}
+    assert agg[1.0]["seeds"] == 3 and abs(agg[1.0]["acc_mean"] - 0.75) < 1e-12
+    assert abs(agg[1.0]["acc_std"] - 0.05) < 1e-12  # sample std of 0.70, 0.80, 0.75
+    assert agg[4.0]["seeds"] == 1 and agg[4.0]["acc_std"] == 0.0
+    series = report.alpha_series(list(agg.values()))
+    assert series["fedavg (lr 0.2)"][0] == (1.0, agg[1.0]["acc_mean"], agg[1.0]["acc_std"])

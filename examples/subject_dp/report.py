@@ -103,24 +103,27 @@ def plot_histograms(runs: dict, out: Path, title: str) -> None:
     plt.close(fig)
 
 
-def alpha_series(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """One (alpha, accuracy) series per run and learning rate, never mixing rates;
-    a series needs at least two alphas."""
-    by_run: dict[str, list[tuple[float, float]]] = {}
+def alpha_series(rows: list[dict]) -> dict[str, list[tuple[float, float, float]]]:
+    """One (alpha, mean accuracy, std over seeds) series per run and learning rate,
+    never mixing rates; a series needs at least two alphas."""
+    by_run: dict[str, list[tuple[float, float, float]]] = {}
     for r in rows:
         label = f"{r['run']} (lr {float(r['learning_rate']):g})"
-        by_run.setdefault(label, []).append((float(r["alpha"]), float(r["acc_mean"])))
-    return {k: sorted(v) for k, v in by_run.items() if len({a for a, _ in v}) > 1}
+        by_run.setdefault(label, []).append((float(r["alpha"]), float(r["acc_mean"]),
+                                             float(r.get("acc_std") or 0.0)))
+    return {k: sorted(v) for k, v in by_run.items() if len({p[0] for p in v}) > 1}
 
 
 def plot_alpha(rows: list[dict], out: Path) -> bool:
-    """Final accuracy against alpha; False (nothing drawn) when no run has two alphas."""
+    """Final accuracy against alpha (error bars: std over seeds where several ran);
+    False (nothing drawn) when no run has two alphas."""
     by_run = alpha_series(rows)
     if not by_run:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, pts in by_run.items():
-        ax.plot(*zip(*pts), marker="o", label=name)
+        alphas, means, stds = zip(*pts)
+        ax.errorbar(alphas, means, yerr=stds, marker="o", capsize=3, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("alpha (power-law silo assignment)")
     ax.set_ylabel("final test accuracy")
