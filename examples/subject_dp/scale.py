@@ -14,8 +14,9 @@ for one batch of one silo (C = 1, expected batch size B = 256):
 
 - ``subjects_per_batch``: expected number of distinct writers in the batch (the sum
   of their inclusion rates ``1 - (1 - q)^k``);
-- ``noise_norm``: expected norm of the noise on the averaged gradient,
-  ``z C sqrt(d) / B`` (``d`` = parameters of the LEAF CNN);
+- ``noise_norm``: norm of the noise on the averaged gradient, about
+  ``z C sqrt(d) / B`` (``d`` = parameters of the LEAF CNN; the noise is
+  ``N(0, (z C)^2 I) / B`` as in :mod:`flwr_jdp.training.subject_level`);
 - ``signal_bound``: the largest possible norm of the averaged clipped gradient,
   ``subjects_per_batch * C / B`` (each writer contributes at most ``C``);
 - ``signal_to_noise``: their ratio, an upper bound on the per-step signal-to-noise
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flwr_jdp.privacy.horizontal import subject_inclusion_rate
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import SubjectDPConfig
 from flwr_jdp.subject.plan import make_plan
@@ -60,7 +62,8 @@ def scale_row(cfg: SubjectDPConfig, counts: np.ndarray, parameters: int) -> dict
     t = time.time()
     plan = make_plan(cfg, counts)
     rates = np.asarray(plan.sample_rates)
-    inclusion = 1.0 - (1.0 - rates[None, :]) ** counts  # zero where a writer has no record
+    # the rate the accounting samples each writer at (zero where it has no record)
+    inclusion = np.vectorize(subject_inclusion_rate, otypes=[float])(rates[None, :], counts)
     per_batch = float(inclusion.sum(axis=0).mean())
     noise = plan.noise_multiplier * cfg.clipping_norm * math.sqrt(parameters) / cfg.batch_size
     signal = per_batch * cfg.clipping_norm / cfg.batch_size
