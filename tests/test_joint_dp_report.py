@@ -263,3 +263,29 @@ def test_figure1_point_minus_per_silo_pairs_a_one_seed_point_with_seed_0(tmp_pat
     line = report.figure1_points(fig, t1, tmp_path).splitlines()[2]
     assert line.startswith("| 64 | local | 5 | 0.7870")
     assert line.endswith("| 0.8020 | -0.0110 ± 0.0000 (0 of 1 seeds above) |")
+
+
+def test_table4_takes_the_record_level_dp_cells_from_table1_where_it_has_none_and_marks_them():
+    """m/r = 1 is record level: Table 1's cell at epsilon = 1 (FC1 personal) is the same
+    cell, so Table 4 shows it, marked "T1", where table4.csv has no row of its own."""
+    report = _report()
+
+    def rows(*pairs):
+        out = []
+        for cell, acc in pairs:
+            row = dict(_row(cell, acc), records_per_user=cell.records_per_user,
+                       personal_layers=cell.personal)
+            out.append({k: str(v) for k, v in row.items()})
+        return out
+    t4 = rows((Cell("fashion-mnist", 4, "joint-dp", "local", 1.0, 20), 0.61))
+    t1 = rows((Cell("fashion-mnist", 4, "per-silo"), 0.88),
+              (Cell("fashion-mnist", 4, "joint-dp", "local", 1.0), 0.77),
+              (Cell("fashion-mnist", 4, "full-dp", "local", 1.0), 0.63),
+              (Cell("fashion-mnist", 4, "full-dp", "central", 1.0), 0.99),  # another trust model
+              (Cell("fashion-mnist", 4, "joint-dp", "local", 1.0, 1, "conv1"), 0.99))  # another rule
+    lines = report.table4(t4, t1).splitlines()
+    assert lines[2] == ("| fashion-mnist | 4 | local | 1 | 0.8800 ± 0.0000 (1) | not run | "
+                        "0.6300 ± 0.0000 (1) T1 | 0.7700 ± 0.0000 (1) T1 | not run | not run | not run | not run |")
+    assert lines[3] == ("| fashion-mnist | 4 | local | 20 |  |  | not run | 0.6100 ± 0.0000 (1) | not run | "
+                        "not run | not run | not run |")
+    assert len(lines) == 4

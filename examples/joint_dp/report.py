@@ -235,7 +235,8 @@ def table4(rows: list[dict[str, str]], baselines: list[dict[str, str]] = ()) -> 
     full-DP at epsilon = 1 and joint-DP at epsilon = 1, 3, 8 (then full-DP at 3 and 8,
     beyond the paper's table). The latest row of a
     cell wins. Per-silo and FedAvg are taken from ``baselines`` (Table 1's rows: the
-    same cells) where ``rows`` has none. A DP accuracy above per-silo's is in bold
+    same cells) where ``rows`` has none, and so is a DP cell at m/r = 1 (record level:
+    Table 1's cell at epsilon = 1, FC1 personal, marked "T1"). A DP accuracy above per-silo's is in bold
     (the paper underlines it)."""
     head = ("| data set | n | trust | m/r | per-silo | without DP (FedAvg) | full-DP ε=1 | "
             "joint-DP ε=1 | joint-DP ε=3 | joint-DP ε=8 | full-DP ε=3 | full-DP ε=8 |")
@@ -246,18 +247,27 @@ def table4(rows: list[dict[str, str]], baselines: list[dict[str, str]] = ()) -> 
         base = [r for r in baselines if r["dataset"] == ds and int(r["owners"]) == n]
         silo = _latest(block, method="per-silo") or _latest(base, method="per-silo")
         fed = _latest(block, method="fedavg") or _latest(base, method="fedavg")
-        mrs = sorted({_mr(r) for r in dp_rows if r in block and r["trust"] == trust})
+        mrs = {_mr(r) for r in dp_rows if r in block and r["trust"] == trust}
+        if any(float(r["epsilon"]) == 1.0 and _figure_point(r, n, m, trust)
+               for r in base for m in ("full-dp", "joint-dp")):
+            mrs.add(1)
+        mrs = sorted(mrs)
         for i, mr in enumerate(mrs):
             cells = ["", ""] if i else [_fmt(silo) if silo else "not run", _fmt(fed) if fed else "not run"]
             for method, eps in TABLE4_COLUMNS:
                 hit = _latest([r for r in block if float(r["epsilon"]) == eps and _mr(r) == mr],
                               method=method, trust=trust)
+                mark = ""
+                if not hit and mr == 1:  # record level at epsilon = 1: Table 1's own cell
+                    hit = _latest([r for r in base if float(r["epsilon"]) == eps and _mr(r) == 1
+                                   and _figure_point(r, n, method, trust)])
+                    mark = " T1" if hit else ""
                 if not hit:
                     cells.append("not run")
                 elif silo and float(hit["acc_mean"]) > float(silo["acc_mean"]):
-                    cells.append(f"**{_fmt(hit)}**")
+                    cells.append(f"**{_fmt(hit)}**{mark}")
                 else:
-                    cells.append(_fmt(hit))
+                    cells.append(_fmt(hit) + mark)
             lines.append(f"| {ds} | {n} | {trust} | {mr} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
