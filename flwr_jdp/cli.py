@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     jdp.add_argument("--coupling", choices=("decoupled", "interleaved"), default="decoupled",
                      help="joint-dp personal layers: decoupled from the shared release (DP holds) or "
                      "interleaved (the paper's Algorithm 1; record-level guarantee not established)")
+    jdp.add_argument("--personal-learning-rate", type=_positive(float), default=None,
+                     help="personal learning rate (default: the method's; choose it on validation "
+                     "with examples/joint_dp/tune.py)")
+    jdp.add_argument("--ema-decay", type=float, default=0.0,
+                     help="in [0, 1): evaluate the owners on a moving average of the shared model "
+                     "(post-processing, no privacy cost); 0 = the last aggregate")
     jdp.add_argument("--supernodes", type=_positive(int), default=2,
                      help="simulated SuperNodes; the owners are spread over them")
     jdp.add_argument("--local-epochs", type=_positive(int), default=None, help="default: paper Table 3")
@@ -101,7 +107,8 @@ def _reproduce(args: argparse.Namespace) -> int:
 
     try:
         cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon,
-                    args.records_per_user, args.personal, args.coupling)
+                    args.records_per_user, args.personal, args.coupling,
+                    personal_lr=args.personal_learning_rate or 0.0, ema_decay=args.ema_decay)
     except ValueError as err:
         print(f"flwr-jdp reproduce: {err}", file=sys.stderr)
         return 2

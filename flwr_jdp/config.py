@@ -25,6 +25,17 @@ UNITS = tuple(u.value for u in PrivacyUnit if u is not PrivacyUnit.SUBJECT)
 PLACEMENTS = tuple(p.value for p in NoisePlacement)
 
 
+#: Run-config keys added after results were committed, with the value every
+#: earlier run used: a stored config without the key equals one with it at this value.
+ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0}
+
+
+def comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without the :data:`ADDED_KEYS` at their earlier value, so a run
+    stored before a key existed matches the same run configured today."""
+    return {k: v for k, v in config.items() if not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
+
+
 class ConfigError(ValueError):
     """A run-config value outside its allowed range."""
 
@@ -41,6 +52,7 @@ class JobConfig:
     learning_rate: float = 0.1
     personal_learning_rate: float = 0.1
     server_learning_rate: float = 1.0
+    ema_decay: float = 0.0
     personal_layers: str = r"^fc1\."
     personal_coupling: str = "decoupled"
     privacy_unit: str = "record"
@@ -179,6 +191,8 @@ def validate(cfg: JobConfig) -> None:
     need(cfg.batch_size >= 1, "batch_size", ">= 1")
     for name in ("learning_rate", "personal_learning_rate", "server_learning_rate"):
         need(finite(name) and getattr(cfg, name) > 0, name, "> 0 and finite")
+    need(finite("ema_decay") and 0 <= cfg.ema_decay < 1, "ema_decay",
+         "in [0, 1) (0 = evaluate the last aggregate; no privacy cost either way)")
     need(cfg.privacy_unit in UNITS, "privacy_unit", f"one of {UNITS}")
     need(cfg.records_per_user >= 1, "records_per_user", ">= 1")
     need(cfg.noise_placement in PLACEMENTS, "noise_placement", f"one of {PLACEMENTS}")

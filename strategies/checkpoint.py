@@ -60,6 +60,12 @@ class Checkpoint:
     def model_path(self) -> Path:
         return self.directory / "model.npz"
 
+    @property
+    def ema_path(self) -> Path:
+        """The averaged shared model (``ema-decay`` > 0): the one owners are
+        evaluated with, plus the number of rounds averaged (``ema-steps``)."""
+        return self.directory / "model_ema.npz"
+
     def resumable(self) -> bool:
         """True if an unfinished run with the same configuration is on disk."""
         if not (self.results_path.is_file() and self.ledger_path.is_file()
@@ -72,10 +78,16 @@ class Checkpoint:
         return res.get("status") == "running" and res.get("config_digest") == self.digest
 
     def save(self, arrays: ArrayRecord, ledger: PrivacyLedger, history: list[dict],
-             noise_multiplier: float, status: str, summary: dict[str, Any]) -> None:
-        """Write model, ledger and results (in that order)."""
+             noise_multiplier: float, status: str, summary: dict[str, Any],
+             ema: tuple[dict[str, np.ndarray], int] | None = None) -> None:
+        """Write model (and its moving average, if any), ledger and results (in
+        that order)."""
         named = {k: v.numpy() for k, v in arrays.items()}
         _atomic_write(self.model_path, lambda fh: np.savez(fh, **named))
+        if ema is not None:
+            average, steps = ema
+            _atomic_write(self.ema_path,
+                          lambda fh: np.savez(fh, **average, **{"ema-steps": np.asarray(steps)}))
         ledger.save(self.ledger_path)
         doc = {
             "status": status,
@@ -106,3 +118,10 @@ class Checkpoint:
             arrays = {k: np.asarray(npz[k]) for k in spec}
         return (protocol.to_record(arrays), PrivacyLedger.load(self.ledger_path), res["history"],
                 float(res["noise_multiplier"]))
+
+    def load_ema(self, spec: dict[str, ArraySpec]) -> tuple[dict[str, np.ndarray], int] | None:
+        """Restore (averaged shared arrays, rounds averaged), or None if not saved."""
+        if not self.ema_path.is_file():
+            return None
+        with np.load(self.ema_path) as npz:
+            return {k: np.asarray(npz[k]) for k in spec}, int(npz["ema-steps"])

@@ -48,6 +48,7 @@ from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 from flwr_jdp.training.owner_round import release_kind
 
 from .checkpoint import Checkpoint
+from .iterate_average import SharedParameterEMA
 from .validation import ArraySpec, spec_of, validate_replies
 
 ModelFn = Callable[[tuple[int, ...], int], nn.Module]
@@ -92,6 +93,9 @@ class JointDP(Strategy):
         self._current: ArrayRecord = ArrayRecord()
         self.last_round_info: dict[str, object] = {}
         self.session = secrets.token_hex(8)  # kept across restarts (results.json)
+        #: Moving average of the shared parameters that owners are evaluated with
+        #: (``ema-decay`` > 0; post-processing, no privacy cost).
+        self.ema = SharedParameterEMA(cfg.ema_decay) if cfg.ema_decay > 0 else None
 
     # ------------------------------------------------------------------ set-up
     def setup(self, grid: Grid, timeout: float = 120.0) -> ArrayRecord:
@@ -337,6 +341,9 @@ class JointDP(Strategy):
             self.noise_multiplier = z if cfg.dp else self.noise_multiplier
             start_round = len(history) + 1
             self.session = ckpt.session() or self.session
+            saved = ckpt.load_ema(self.spec) if self.ema is not None else None
+            if saved is not None:
+                self.ema.restore(*saved)
             log(INFO, "Resuming from %s after round %d (epsilon %.4f spent)",
                 cfg.results_dir, start_round - 1, self.ledger.epsilon())
         self.summary()
@@ -355,10 +362,13 @@ class JointDP(Strategy):
             new_arrays, train_metrics = self.aggregate_train(rnd, replies)
             if new_arrays is not None:
                 arrays = new_arrays
+                if self.ema is not None:
+                    self.ema.update({k: v.numpy() for k, v in arrays.items()})
             if train_metrics is not None:
                 result.train_metrics_clientapp[rnd] = train_metrics
+            evaluated = self._evaluated_arrays(arrays)
             eval_replies = grid.send_and_receive(
-                self.configure_evaluate(rnd, arrays, evaluate_config or ConfigRecord(), grid),
+                self.configure_evaluate(rnd, evaluated, evaluate_config or ConfigRecord(), grid),
                 timeout=timeout,
             )
             eval_metrics = self.aggregate_evaluate(rnd, eval_replies)
@@ -383,11 +393,23 @@ class JointDP(Strategy):
                 cfg.target_epsilon, cfg.delta, self.noise_multiplier, row["seconds"])
             result.arrays = arrays
             ckpt.save(arrays, self.ledger, history, self.noise_multiplier, "running",
-                      self._summary(history, t0))
+                      self._summary(history, t0), ema=self._ema_state())
         ckpt.save(arrays, self.ledger, history, self.noise_multiplier, status,
-                  self._summary(history, t0))
+                  self._summary(history, t0), ema=self._ema_state())
         log(INFO, "Finished (%s): results in %s", status, ckpt.results_path)
         return result
+
+    def _evaluated_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The shared model owners are evaluated with: the moving average once a
+        round has been averaged, else the aggregate itself."""
+        if self.ema is None or self.ema.steps == 0:
+            return arrays
+        return protocol.to_record(self.ema.average(like={k: v.numpy() for k, v in arrays.items()}))
+
+    def _ema_state(self) -> tuple[dict[str, np.ndarray], int] | None:
+        if self.ema is None or self.ema.steps == 0:
+            return None
+        return self.ema.average(), self.ema.steps
 
     def _summary(self, history: list[dict], t0: float) -> dict[str, object]:
         last = history[-1] if history else {}

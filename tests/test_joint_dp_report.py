@@ -211,11 +211,32 @@ def test_table1_joint_dp_cell_is_fc1_personal_and_other_rules_get_their_own_tabl
     assert line.split(" | ")[5] == "0.7100 ± 0.0000 (1)"  # joint-DP local: the FC1 row
     lines = report.personal_rule_table(rules, t1).splitlines()
     # 44,724 parameters in all, 28,938 of them personal under this rule
-    assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
+    assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
             "| 0.7000 ± 0.0000 (1) |  |") in lines
-    assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.5000") and "not run" in x
+    assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | 0.5000") and "not run" in x
                for x in lines)
     assert len(lines) == 2 + 2
+
+
+def test_validation_chosen_personal_lr_and_moving_average_get_their_own_line_paired_by_seed(tmp_path):
+    """FC1 personal with another personal learning rate and a moving average is not
+    Table 1's cell: it gets its own line, and its seeds are read from its own folder."""
+    report = _report()
+    tuned = Cell("fashion-mnist", 256, "joint-dp", "local", 1.0, personal_lr=0.2, ema_decay=0.8)
+    silo = Cell("fashion-mnist", 256, "per-silo", "local", 1.0)
+    for cell, acc in ((tuned, 0.75), (silo, 0.70)):
+        d = tmp_path / cell.name / "seed0"
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"status": "completed", "final_accuracy": acc}))
+    row = {k: str(v) for k, v in dict(_row(tuned, 0.75), personal_learning_rate="0.2", ema_decay="0.8").items()}
+    t1 = [{k: str(v) for k, v in _row(silo, 0.70).items()},
+          {k: str(v) for k, v in _row(Cell("fashion-mnist", 256, "joint-dp"), 0.71).items()}]
+    assert report.cell_of(row) == tuned
+    lines = report.personal_rule_table([row], t1, tmp_path).splitlines()
+    assert lines[2] == ("| 256 | local | fc1 | 29,034 | 0.2 | 0.8 | 0.7500 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
+                        "| 0.7000 ± 0.0000 (1) | +0.0500 ± 0.0000 (1 of 1 seeds above) |")
+    # the tuned row never replaces Table 1's FC1 cell
+    assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"
 
 
 def test_rule_minus_per_silo_is_paired_by_seed_over_the_seeds_both_rows_average(tmp_path):

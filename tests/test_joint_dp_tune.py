@@ -33,7 +33,8 @@ def test_old_table_gains_the_clipping_norm_its_runs_used(tmp_path):
     _old_table(table)
     rows = tune.upgrade_table(table)
     assert [r["clipping_norm"] for r in rows] == ["1", ""]  # HPARAMS: C = 1 for DP cells
-    assert table.read_text().splitlines()[0].endswith(",clipping_norm")
+    assert [r["ema_decay"] for r in rows] == ["0", "0"]  # no moving average before the key
+    assert table.read_text().splitlines()[0].endswith(",clipping_norm,ema_decay")
     assert read_rows(table) == rows and tune.upgrade_table(table) == rows  # idempotent
 
 
@@ -65,11 +66,18 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
     assert rows[-1]["clipping_norm"] == "0.5" and rows[-1]["val_acc"] == "0.61"
     assert "best on validation: lr=0.05 personal lr=0.05 C=1 -> 0.6279" in capsys.readouterr().out
 
+    calls.clear()
+    assert _main(tune, monkeypatch, *common, "--ema-decays", "0", "0.8") == 0
+    assert calls == [("lr0.05-plr0.05-ema0.8", 0.1,
+                      {"learning-rate": 0.05, "personal-learning-rate": 0.05, "ema-decay": 0.8})]
+    assert read_rows(tmp_path / "tuning.csv")[-1]["ema_decay"] == "0.8"
+
 
 @pytest.mark.parametrize("args", [("--method", "fedavg", "--clipping-norms", "1"),
-                                  ("--method", "joint-dp", "--clipping-norms", "0")])
-def test_bad_clipping_norms_fail_at_start(tmp_path, monkeypatch, capsys, args):
+                                  ("--method", "joint-dp", "--clipping-norms", "0"),
+                                  ("--method", "joint-dp", "--ema-decays", "1")])
+def test_bad_grid_values_fail_at_start(tmp_path, monkeypatch, capsys, args):
     tune = _tune()
     with pytest.raises(SystemExit):
         _main(tune, monkeypatch, "--owners", "8", "--out", str(tmp_path), "--learning-rates", "0.05", *args)
-    assert "--clipping-norms" in capsys.readouterr().err
+    assert args[2] in capsys.readouterr().err

@@ -121,3 +121,65 @@ def test_rerunning_a_finished_cell_does_not_append_the_same_row_twice(tmp_path, 
          "final_epsilon": 2.99, "wall_seconds": 3.0}))
     run_cell(cell, 1, "", tmp_path, table="t.csv")
     assert [r["acc_mean"] for r in read_rows(tmp_path / "t.csv")] == ["0.5", "0.6"]
+
+
+def test_validation_chosen_overrides_name_their_own_runs_and_reach_the_run_config(tmp_path):
+    base = Cell("fashion-mnist", 256, "joint-dp")
+    tuned = Cell("fashion-mnist", 256, "joint-dp", personal_lr=0.2, ema_decay=0.8)
+    assert tuned.name == base.name + "-plr0.2-ema0.8"  # never the folder of the default runs
+    cfg = parse_config(run_config(tuned, 0, "/data", str(tmp_path)))
+    assert (cfg.personal_learning_rate, cfg.ema_decay) == (0.2, 0.8)
+    plain = parse_config(run_config(base, 0, "/data", str(tmp_path)))
+    assert (plain.personal_learning_rate, plain.ema_decay) == (0.05, 0.0)
+    # the default spelt out is the same cell (same name, same runs)
+    assert Cell("fashion-mnist", 256, "joint-dp", personal_lr=0.05) == base
+    for bad, option in (({"ema_decay": 1.0}, "--ema-decay"), ({"personal_lr": -1.0}, "--personal-learning-rate")):
+        with pytest.raises(ValueError, match=option):
+            Cell("fashion-mnist", 256, "joint-dp", **bad)
+
+
+def test_a_seed_stored_before_ema_decay_existed_is_still_reused(tmp_path, monkeypatch):
+    import json
+
+    import flwr_jdp.simulation as simulation
+    from flwr_jdp.reproduce.joint_dp import run_seed
+
+    cell = Cell("digits", 4, "joint-dp", "local", 8.0)
+    seed_dir = tmp_path / "runs" / cell.name / "seed0"
+    seed_dir.mkdir(parents=True)
+    old = parse_config(run_config(cell, 0, "", str(seed_dir))).to_dict()
+    del old["ema-decay"]
+    (seed_dir / "results.json").write_text(json.dumps(
+        {"status": "completed", "config": old, "final_accuracy": 0.5, "wall_seconds": 3.0}))
+    monkeypatch.setattr(simulation, "simulate", lambda *a, **k: pytest.fail("a finished seed was rerun"))
+    assert run_seed(cell, 0, "", tmp_path / "runs")["final_accuracy"] == 0.5
+    # with a moving average it is another configuration (and another folder)
+    averaged = Cell("digits", 4, "joint-dp", "local", 8.0, ema_decay=0.5)
+    assert averaged.name != cell.name
+
+
+def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path, monkeypatch):
+    import json
+
+    import flwr_jdp.simulation as simulation
+    from flwr_jdp.reproduce.joint_dp import read_rows, run_cell, upgrade_table
+
+    table = tmp_path / "t.csv"
+    table.write_text("dataset,owners,method,trust,epsilon,seeds,acc_mean,acc_std,records_per_user,"
+                     "personal_layers,local_epochs,rounds,seconds,coupling\n"
+                     "digits,4,joint-dp,local,8.0,1,0.5,0.0,1,fc1,1,2,3.0,decoupled\n"
+                     "digits,4,fedavg,-,inf,1,0.7,0.0,1,fc1,1,2,3.0,-\n")
+    rows = upgrade_table(table)
+    assert [(r["personal_learning_rate"], r["ema_decay"]) for r in rows] == [("0.05", "0"), ("0.05", "0")]
+    assert read_rows(table) == rows and upgrade_table(table) == rows  # idempotent
+    # a finished cell whose row is already there (in the old format) is not appended again
+    cell = Cell("digits", 4, "joint-dp", "local", 8.0)
+    seed_dir = tmp_path / "runs" / cell.name / "seed0"
+    seed_dir.mkdir(parents=True)
+    cfg = parse_config(run_config(cell, 0, "", str(seed_dir), local_epochs=1, rounds=2)).to_dict()
+    (seed_dir / "results.json").write_text(json.dumps(
+        {"status": "completed", "config": cfg, "final_accuracy": 0.5, "rounds_completed": 2,
+         "final_epsilon": 7.9, "wall_seconds": 3.0}))
+    monkeypatch.setattr(simulation, "simulate", lambda *a, **k: pytest.fail("a finished seed was rerun"))
+    run_cell(cell, 1, "", tmp_path, table="t.csv", local_epochs=1, rounds=2)
+    assert len(read_rows(table)) == 2

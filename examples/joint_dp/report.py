@@ -45,7 +45,7 @@ def table1(rows: list[dict[str, str]]) -> str:
             hit = [r for r in rows if r["dataset"] == ds and int(r["owners"]) == n
                    and r["method"] == method and r["trust"] == trust
                    and (trust == "-" or float(r["epsilon"]) == 1.0)
-                   and (method != "joint-dp" or _rule(r) == "fc1")]
+                   and (method != "joint-dp" or _rule(r) == "fc1") and not _overridden(r)]
             cells.append(_fmt(hit[-1]) if hit else "not run")
         lines.append(f"| {ds} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -56,24 +56,40 @@ def _rule(row: dict[str, str]) -> str:
     return row.get("personal_layers") or "fc1"
 
 
+def _overridden(row: dict[str, str]) -> bool:
+    """True for a row run with a validation-chosen personal learning rate or moving
+    average (not a Table 1 cell)."""
+    cell = cell_of(row)
+    return bool(cell.personal_lr or cell.ema_decay)
+
+
+def _settings(row: dict[str, str]) -> tuple[str, float, float]:
+    """(personal rule, personal learning rate, EMA decay) of a row; rows written before
+    the last two columns existed ran at the HPARAMS personal learning rate, no EMA."""
+    return (_rule(row), cell_of(row).personal_learning_rate, float(row.get("ema_decay") or 0.0))
+
+
 def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]],
                         runs: Path | None = None) -> str:
-    """Joint DP at epsilon = 1 with a personal-layer rule other than Table 1's FC1
-    (``table1_personal.csv``), one line per (n, trust, rule), beside Table 1's FC1 cell
-    of the same n and trust and Table 1's per-silo cell; the latest row of each wins.
-    With ``runs``, the last column is this rule minus per-silo paired by seed (see
-    ``paired_difference``)."""
+    """Joint DP at epsilon = 1 with settings chosen on validation
+    (``table1_personal.csv``): a personal-layer rule other than Table 1's FC1, a
+    personal learning rate, a moving average of the evaluated shared model. One
+    line per (n, trust, settings), beside Table 1's FC1 cell of the same n and trust
+    and Table 1's per-silo cell; the latest row of each wins. With ``runs``, the last
+    column is these settings minus per-silo paired by seed (``paired_difference``)."""
     total = sum(_seed_cnn_sizes().values())
-    lines = ["| n | trust | personal | shared params | joint DP, this rule | joint DP, FC1 personal (Table 1) "
-             "| per-silo (Table 1) | this rule − per-silo, paired by seed |", "|" + "---|" * 8]
+    lines = ["| n | trust | personal | shared params | personal lr | EMA decay | joint DP, these settings "
+             "| joint DP, FC1 personal (Table 1) | per-silo (Table 1) | these settings − per-silo, paired by seed |",
+             "|" + "---|" * 10]
     rows = [r for r in rows if r["method"] == "joint-dp" and float(r["epsilon"]) == 1.0]
     t1_fc1 = [r for r in t1_rows if float(r["epsilon"]) == 1.0 and _rule(r) == "fc1"]
-    for n, trust, rule in sorted({(int(r["owners"]), r["trust"], _rule(r)) for r in rows}):
-        cells = [_latest([r for r in rows if _rule(r) == rule], owners=str(n), trust=trust),
+    for n, trust, settings in sorted({(int(r["owners"]), r["trust"], _settings(r)) for r in rows}):
+        rule, plr, decay = settings
+        cells = [_latest([r for r in rows if _settings(r) == settings], owners=str(n), trust=trust),
                  _latest(t1_fc1, owners=str(n), method="joint-dp", trust=trust),
                  _latest(t1_rows, owners=str(n), method="per-silo")]
         paired = paired_difference(runs, cells[0], cells[2]) if runs and cells[0] and cells[2] else ""
-        lines.append(f"| {n} | {trust} | {rule} | {total - personal_parameter_count(rule):,} | "
+        lines.append(f"| {n} | {trust} | {rule} | {total - personal_parameter_count(rule):,} | {plr:g} | {decay:g} | "
                      + " | ".join(_fmt(c) if c else "not run" for c in cells) + f" | {paired} |")
     return "\n".join(lines)
 
@@ -113,7 +129,9 @@ def cell_of(row: dict[str, str]) -> Cell:
     return Cell(row["dataset"], int(row["owners"]), row["method"], row["trust"] if dp else "local",
                 float(row["epsilon"]) if dp else 1.0, int(row.get("records_per_user") or 1),
                 row.get("personal_layers") or "fc1",
-                (row.get("coupling") or "decoupled") if row["method"] == "joint-dp" else "decoupled")
+                (row.get("coupling") or "decoupled") if row["method"] == "joint-dp" else "decoupled",
+                personal_lr=float(row.get("personal_learning_rate") or 0.0),
+                ema_decay=float(row.get("ema_decay") or 0.0))
 
 
 def run_seconds(runs: Path, cell: Cell) -> list[float]:
@@ -410,8 +428,9 @@ def main() -> int:
                   "sampled every few seconds by `simulation_memory.py`)", memory(samples)]
     rule_rows = read_rows(res / "table1_personal.csv")
     if rule_rows:
-        parts += ["### Joint DP with more layers personal (ε = 1, δ = 1e-4; the rule was chosen on a "
-                  "validation split, `tuning.csv`)", personal_rule_table(rule_rows, t1, res / "runs")]
+        parts += ["### Joint DP with settings chosen on validation (more layers personal, personal "
+                  "learning rate, moving average; ε = 1, δ = 1e-4; `tuning.csv`)",
+                  personal_rule_table(rule_rows, t1, res / "runs")]
     inter = read_rows(res / "table1_interleaved.csv")
     if inter:
         parts += ["### Joint-DP with interleaved personal layers (the paper's Algorithm 1; "
@@ -421,10 +440,11 @@ def main() -> int:
     if tuning:
         keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
                 "validation_fraction",
-                "learning_rate", "personal_learning_rate", "clipping_norm", "noise_multiplier", "final_epsilon")
+                "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "noise_multiplier",
+                "final_epsilon")
         lines = ["| " + " | ".join(keys) + " | validation accuracy |", "|" + "---|" * (len(keys) + 1)]
-        lines += ["| " + " | ".join(r.get(k, "") for k in keys) + f" | {float(r['val_acc']):.4f} |"
-                  for r in tuning]
+        lines += ["| " + " | ".join(r.get(k) or ("0" if k == "ema_decay" else "") for k in keys)
+                  + f" | {float(r['val_acc']):.4f} |" for r in tuning]
         parts += ["### Learning-rate, clipping-norm and personal-layer tuning on validation splits (`tune.py`; test split not read)",
                   "\n".join(lines)]
     text = "\n\n".join(parts) + "\n"

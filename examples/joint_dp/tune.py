@@ -13,8 +13,11 @@ training split, at the same target epsilon.
         --learning-rates 0.02 0.05 0.1 0.2 --data-dir ../shared/data/fashion-mnist
 
 ``--clipping-norms 0.5 1 2`` adds the DP cells' clipping norm C to the grid (the
-noise is z * C, so z is unchanged: C trades clipping bias against noise). The grid
-is the product of the learning rates, personal learning rates and clipping norms.
+noise is z * C, so z is unchanged: C trades clipping bias against noise).
+``--ema-decays 0.5 0.8`` adds the decay of the moving average the owners are
+evaluated with (run-config ``ema-decay``; post-processing, z and epsilon unchanged).
+The grid is the product of the learning rates, personal learning rates, clipping
+norms and decays.
 
 Appends one row per grid point to ``results/joint_dp/tuning.csv`` (points already
 there are skipped) and prints the best point.
@@ -28,22 +31,19 @@ import sys
 import time
 from pathlib import Path
 
-from flwr_jdp.reproduce.joint_dp import HPARAMS, Cell, append_row, read_rows, run_seed
+from flwr_jdp.reproduce.joint_dp import Cell, append_row, read_rows, run_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
            "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
-           "final_epsilon", "val_acc", "seconds", "clipping_norm")
-
-
-def _hparams(cell: Cell) -> dict:
-    return HPARAMS[(cell.method, "central" if cell.dp and cell.trust == "central" else "local")]
+           "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay")
 
 
 def upgrade_table(table: Path) -> list[dict[str, str]]:
     """Rows of ``table``; a file written before a column of :data:`COLUMNS` existed is
     rewritten with it. Its rows ran at the cell's own value of that column: the
-    clipping norm of :data:`HPARAMS` (empty for a cell without DP)."""
+    clipping norm of :data:`HPARAMS` (empty for a cell without DP) and no moving
+    average (``ema_decay`` 0)."""
     rows = read_rows(table)
     if not rows or all(k in rows[0] for k in COLUMNS):
         return rows
@@ -51,7 +51,8 @@ def upgrade_table(table: Path) -> list[dict[str, str]]:
         old = Cell(r["dataset"], int(r["owners"]), r["method"],
                    r["trust"] if r["trust"] != "-" else "local",
                    float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
-        r.setdefault("clipping_norm", f"{_hparams(old)['clipping-norm']:g}" if old.dp else "")
+        r.setdefault("clipping_norm", f"{old.hparams['clipping-norm']:g}" if old.dp else "")
+        r.setdefault("ema_decay", "0")
     table.write_text("")
     for r in rows:
         append_row(table, r, COLUMNS)
@@ -73,6 +74,9 @@ def main() -> int:
                         help="personal learning rates to try (default: the cell's)")
     parser.add_argument("--clipping-norms", type=float, nargs="*", default=[],
                         help="clipping norms C to try, DP cells only (default: the cell's)")
+    parser.add_argument("--ema-decays", type=float, nargs="*", default=[],
+                        help="moving-average decays of the evaluated shared model to try "
+                        "(run-config ema-decay; default 0 = none)")
     parser.add_argument("--validation-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--supernodes", type=int, default=2)
@@ -86,19 +90,25 @@ def main() -> int:
         parser.error(f"--clipping-norms applies to DP cells only, not to {cell.method}")
     if any(c <= 0 for c in args.clipping_norms):
         parser.error(f"--clipping-norms must be > 0, got {args.clipping_norms}")
-    base = _hparams(cell)
+    if any(not 0 <= b < 1 for b in args.ema_decays):
+        parser.error(f"--ema-decays must be in [0, 1), got {args.ema_decays}")
+    base = cell.hparams
     personal_lrs = args.personal_learning_rates or [base["personal-learning-rate"]]
     clips = args.clipping_norms or ([base["clipping-norm"]] if cell.dp else [None])
+    decays = args.ema_decays or [0.0]
     table = Path(args.out) / "tuning.csv"
     work = Path(args.out) / "tuning_runs"
     rows = upgrade_table(table)
-    for lr, plr, clip in itertools.product(args.learning_rates, personal_lrs, clips):
+    for lr, plr, clip, decay in itertools.product(args.learning_rates, personal_lrs, clips, decays):
         clip_txt = f"{clip:g}" if clip is not None else ""
-        point = f"lr={lr:g} personal lr={plr:g}" + (f" C={clip_txt}" if clip_txt else "")
+        point = (f"lr={lr:g} personal lr={plr:g}" + (f" C={clip_txt}" if clip_txt else "")
+                 + (f" ema-decay={decay:g}" if decay else ""))
         key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
-               f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}", clip_txt)
+               f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}", clip_txt,
+               f"{decay:g}")
         if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"], r["personal_layers"],
-                r["learning_rate"], r["personal_learning_rate"], r["clipping_norm"]) == key for r in rows):
+                r["learning_rate"], r["personal_learning_rate"], r["clipping_norm"],
+                r.get("ema_decay") or "0") == key for r in rows):
             print(f"skip {point} (in {table.name})", flush=True)
             continue
         extra = {"learning-rate": lr, "personal-learning-rate": plr}
@@ -106,6 +116,9 @@ def main() -> int:
         if clip is not None and clip != base["clipping-norm"]:
             extra["clipping-norm"] = clip
             run_dir += f"-c{clip:g}"
+        if decay:
+            extra["ema-decay"] = decay
+            run_dir += f"-ema{decay:g}"
         t0 = time.time()
         res = run_seed(cell, args.seed, args.data_dir, work / run_dir, args.supernodes,
                        validation_fraction=args.validation_fraction, extra=extra)
@@ -116,7 +129,7 @@ def main() -> int:
                                  res.get("noise_multiplier", 0.0),
                                  round(float(res.get("final_epsilon", 0.0)), 4),
                                  round(float(res["final_accuracy"]), 4),
-                                 round(time.time() - t0, 1), clip_txt), strict=True))
+                                 round(time.time() - t0, 1), clip_txt, key[9]), strict=True))
         append_row(table, row, COLUMNS)
         rows.append({k: str(v) for k, v in row.items()})
         print(f"{point}: validation accuracy {row['val_acc']:.4f} "
@@ -127,6 +140,7 @@ def main() -> int:
     best = max(mine, key=lambda r: float(r["val_acc"]))
     print(f"best on validation: lr={best['learning_rate']} personal lr={best['personal_learning_rate']}"
           + (f" C={best['clipping_norm']}" if best["clipping_norm"] else "")
+          + (f" ema-decay={best['ema_decay']}" if best.get("ema_decay", "0") != "0" else "")
           + f" -> {float(best['val_acc']):.4f}", flush=True)
     return 0
 

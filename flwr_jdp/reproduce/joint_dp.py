@@ -33,7 +33,10 @@ training records (``--validation-fraction``); so far only joint DP under local
 noise at n = 256 has been checked: the learning rate (0.025, 0.05, 0.1; 0.05 kept)
 and, at 0.05, the clipping norm (0.5, 1, 2; flat, 1 kept) and the personal-layer rule
 (``fc1``, ``conv2+fc1``, ``conv1+conv2+fc1``: the fewer parameters shared, the higher the
-validation accuracy; Table 1 keeps the paper's ``fc1``), in ``results/joint_dp/tuning.csv``.
+validation accuracy; Table 1 keeps the paper's ``fc1``), the personal learning rate (0.2:
+no gain) and the moving-average decay (``ema-decay`` 0.8, 0.9: no gain beyond the spread
+of single runs), in ``results/joint_dp/tuning.csv``. A cell's ``personal_lr`` and
+``ema_decay`` override :data:`HPARAMS` for settings chosen that way.
 """
 
 from __future__ import annotations
@@ -47,12 +50,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import parse_config
+from ..config import comparable, parse_config
 
 METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
 TRUST = ("local", "central")
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "seeds", "acc_mean", "acc_std",
-           "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds", "coupling")
+           "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds", "coupling",
+           "personal_learning_rate", "ema_decay")
 COUPLINGS = ("decoupled", "interleaved")
 
 #: The paper's Table 3: n -> (local epochs E, global rounds T).
@@ -91,6 +95,13 @@ HPARAMS: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 
+def hparams_for(method: str, trust: str) -> dict[str, Any]:
+    """The :data:`HPARAMS` entry of ``method`` under ``trust`` (methods without DP
+    have one entry, whatever the trust model)."""
+    central = method in ("full-dp", "joint-dp") and trust == "central"
+    return HPARAMS[(method, "central" if central else "local")]
+
+
 @dataclass(frozen=True)
 class Cell:
     """One cell of a results table."""
@@ -103,6 +114,11 @@ class Cell:
     records_per_user: int = 1
     personal: str = "fc1"
     coupling: str = "decoupled"
+    #: Overrides of :data:`HPARAMS` chosen on validation: the personal learning rate
+    #: (0 = the HPARAMS value) and the decay of the moving average the owners are
+    #: evaluated with (run-config ``ema-decay``; 0 = none).
+    personal_lr: float = 0.0
+    ema_decay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -119,6 +135,22 @@ class Cell:
             raise ValueError("joint-dp with no personal layers is full-dp: use --method full-dp")
         if self.dp and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
             raise ValueError(f"--epsilon must be > 0 and finite for {self.method}, got {self.epsilon}")
+        if not (self.personal_lr >= 0 and math.isfinite(self.personal_lr)):
+            raise ValueError(f"--personal-learning-rate must be > 0 (0 = default), got {self.personal_lr}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
+        if self.personal_lr == self.hparams["personal-learning-rate"]:
+            object.__setattr__(self, "personal_lr", 0.0)  # the default spelt out: same cell
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        """The :data:`HPARAMS` entry of this cell (before its overrides)."""
+        return hparams_for(self.method, self.trust)
+
+    @property
+    def personal_learning_rate(self) -> float:
+        """The personal learning rate the cell runs with."""
+        return self.personal_lr or float(self.hparams["personal-learning-rate"])
 
     @property
     def dp(self) -> bool:
@@ -129,7 +161,9 @@ class Cell:
         eps = f"eps{self.epsilon:g}" if self.dp else "nodp"
         return (f"{self.dataset}-n{self.owners}-{self.method}-{self.trust}-{eps}"
                 f"-mr{self.records_per_user}-{self.personal}"
-                + ("-interleaved" if self.method == "joint-dp" and self.coupling == "interleaved" else ""))
+                + ("-interleaved" if self.method == "joint-dp" and self.coupling == "interleaved" else "")
+                + (f"-plr{self.personal_lr:g}" if self.personal_lr else "")
+                + (f"-ema{self.ema_decay:g}" if self.ema_decay else ""))
 
 
 def schedule_for(owners: int) -> tuple[int, int]:
@@ -170,7 +204,10 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
     if cell.method == "joint-dp":
         cfg["personal-layers"] = PERSONAL_RULES[cell.personal]
         cfg["personal-coupling"] = cell.coupling
-    cfg.update(HPARAMS[(cell.method, "central" if cell.dp and cell.trust == "central" else "local")])
+    cfg.update(cell.hparams)
+    cfg["personal-learning-rate"] = cell.personal_learning_rate
+    if cell.ema_decay:
+        cfg["ema-decay"] = cell.ema_decay
     cfg.update(extra or {})
     parse_config(cfg)  # fail early with the key's name
     return cfg
@@ -194,7 +231,7 @@ def run_seed(cell: Cell, seed: int, data_dir: str, work_dir: Path, supernodes: i
     if done.is_file():  # a finished seed of exactly this configuration is reused
         old = json.loads(done.read_text())
         def digest(config: dict[str, Any]) -> str:
-            same = {k: v for k, v in config.items() if k != "results-dir"}
+            same = {k: v for k, v in comparable(config).items() if k != "results-dir"}
             if same.get("data-dir"):
                 same["data-dir"] = str(Path(same["data-dir"]).resolve())
             return config_digest(same)
@@ -238,8 +275,9 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
         "local_epochs": (cfg or {}).get("local-epochs", ""), "rounds": (cfg or {}).get("num-rounds", ""),
         "seconds": round(seconds, 1),
         "coupling": cell.coupling if cell.method == "joint-dp" else "-",
+        "personal_learning_rate": f"{cell.personal_learning_rate:g}", "ema_decay": f"{cell.ema_decay:g}",
     }
-    if {k: str(row.get(k, "")) for k in COLUMNS} in read_rows(out / table):
+    if {k: str(row.get(k, "")) for k in COLUMNS} in upgrade_table(out / table):
         print(f"[{cell.name}] every seed reused: {table} already holds this row", flush=True)
     else:
         append_row(out / table, row)
@@ -257,6 +295,23 @@ def append_row(path: Path, row: dict[str, Any], columns: tuple[str, ...] = COLUM
         writer.writerow({k: row.get(k, "") for k in columns})
 
 
+def upgrade_table(path: Path) -> list[dict[str, str]]:
+    """Rows of the table at ``path``; a file written before a column of
+    :data:`COLUMNS` existed is rewritten with it, at the value its runs used: the
+    :data:`HPARAMS` personal learning rate and no moving average."""
+    rows = read_rows(path)
+    if not rows or all(k in rows[0] for k in COLUMNS):
+        return rows
+    for r in rows:
+        if "personal_learning_rate" not in r:
+            r["personal_learning_rate"] = f"{hparams_for(r['method'], r.get('trust', ''))['personal-learning-rate']:g}"
+        r.setdefault("ema_decay", "0")
+    path.write_text("")
+    for r in rows:
+        append_row(path, r)
+    return read_rows(path)
+
+
 def read_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
     """Rows of a table CSV (empty list if there is none)."""
     p = Path(path)
@@ -267,4 +322,5 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
 
 
 __all__ = ["COLUMNS", "Cell", "HPARAMS", "METHODS", "PAPER_SCHEDULE", "PERSONAL_RULES",
-           "TRUST", "append_row", "read_rows", "run_cell", "run_config", "run_seed", "schedule_for"]
+           "TRUST", "append_row", "hparams_for", "read_rows", "run_cell", "run_config", "run_seed", "schedule_for",
+           "upgrade_table"]
