@@ -24,6 +24,25 @@ def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None, node_config=
     return strategy, grid, result
 
 
+class Killed(Exception):
+    """The server 'crashed' (raised by :func:`kill_after_trains`)."""
+
+
+def kill_after_trains(count: int):
+    """A fault for :func:`run_inprocess` that lets ``count`` train instructions
+    through and raises :class:`Killed` at the next one (2 nodes: 2 per round)."""
+    calls = {"train": 0}
+
+    def fault(instruction, reply):
+        if instruction.metadata.message_type == "train":
+            calls["train"] += 1
+            if calls["train"] > count:
+                raise Killed()
+        return reply
+
+    return fault
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as s:

@@ -6,7 +6,7 @@ from flwr_jdp.strategies import load_results
 from flwr_jdp.config import parse_config
 from flwr_jdp.privacy.ledger import PrivacyLedger
 
-from .helpers import run_inprocess
+from .helpers import Killed, kill_after_trains, run_inprocess
 
 
 def test_budget_exhausted_stops_cleanly_with_model_and_ledger(run_config):
@@ -29,10 +29,6 @@ def test_calibrated_run_meets_target(run_config):
     assert strategy.noise_multiplier > 0
 
 
-class Killed(Exception):
-    pass
-
-
 def test_restart_resumes_epsilon_not_reset(run_config, tmp_path):
     # uninterrupted reference
     ref = dict(run_config, **{"results-dir": str(tmp_path / "ref"), "num-rounds": 3})
@@ -41,17 +37,8 @@ def test_restart_resumes_epsilon_not_reset(run_config, tmp_path):
 
     # killed during round 3's training, then restarted with the same config
     cfg = dict(run_config, **{"num-rounds": 3})
-    calls = {"train": 0}
-
-    def kill_in_round_3(instruction, reply):
-        if instruction.metadata.message_type == "train":
-            calls["train"] += 1
-            if calls["train"] > 4:  # 2 nodes per round
-                raise Killed()
-        return reply
-
     with pytest.raises(Killed):
-        run_inprocess(cfg, fault=kill_in_round_3)
+        run_inprocess(cfg, fault=kill_after_trains(4))
     mid = load_results(cfg["results-dir"])
     assert mid["status"] == "running" and mid["rounds_completed"] == 2
     run_inprocess(cfg)
@@ -66,17 +53,8 @@ def test_restart_reuses_personal_state_kept_on_the_nodes_disk(run_config, tmp_pa
     state-dir reload their owners' personal layers, a fresh session does not."""
     cfg = dict(run_config, **{"num-rounds": 3})
     nodes = {"state-dir": str(tmp_path / "node-state")}
-    calls = {"train": 0}
-
-    def kill_in_round_3(instruction, reply):
-        if instruction.metadata.message_type == "train":
-            calls["train"] += 1
-            if calls["train"] > 4:
-                raise Killed()
-        return reply
-
     with pytest.raises(Killed):
-        run_inprocess(cfg, fault=kill_in_round_3, node_config=nodes)
+        run_inprocess(cfg, fault=kill_after_trains(4), node_config=nodes)
     session = load_results(cfg["results-dir"])["session"]
     assert sorted(p.name for p in (tmp_path / "node-state" / session).iterdir()) == [
         f"personal-{o}.npz" for o in range(4)]

@@ -10,7 +10,7 @@ from flwr_jdp.strategies.iterate_average import SharedParameterEMA
 from flwr_jdp import protocol
 from flwr_jdp.config import ConfigError, comparable, parse_config
 
-from .helpers import run_inprocess
+from .helpers import Killed, kill_after_trains, run_inprocess
 
 
 def _weighted_mean(xs, beta):
@@ -103,23 +103,10 @@ def test_owners_are_evaluated_on_the_average_and_it_costs_no_privacy(run_config,
     assert res["epsilon"] == pytest.approx(load_results(plain["results-dir"])["epsilon"], rel=1e-12)
 
 
-class Killed(Exception):
-    pass
-
-
 def test_a_restarted_server_continues_the_average(run_config):
     run_config.update({"num-rounds": 3, "ema-decay": 0.5})
-    calls = {"train": 0}
-
-    def kill_in_round_3(instruction, reply):
-        if instruction.metadata.message_type == "train":
-            calls["train"] += 1
-            if calls["train"] > 4:  # 2 nodes per round
-                raise Killed()
-        return reply
-
     with pytest.raises(Killed):
-        run_inprocess(run_config, fault=kill_in_round_3)
+        run_inprocess(run_config, fault=kill_after_trains(4))  # killed in round 3
     with np.load(f"{run_config['results-dir']}/model_ema.npz") as npz:
         assert int(npz["ema-steps"]) == 2
     strategy, _, _ = run_inprocess(run_config)
