@@ -3,10 +3,11 @@
 Privacy: none spent. The average is a function of the shared parameters the
 server has already produced, each of which is a post-processing of the round's
 DP release (the owners' noised updates under local noise, the server's noised sum
-under central noise), so by the post-processing property the EMA, and everything
-an owner computes from it with its own data (its personal layers, its predictions),
-keeps the run's (epsilon, delta) guarantee for the same unit. The ledger records
-nothing for it.
+under central noise). By the post-processing property the EMA is (epsilon,
+delta)-DP for the run's unit, like the aggregates it averages, and the ledger
+records nothing for it. What owner j then computes from it with its own data (its
+personal layers, its predictions) is seen by j alone, so joint DP still holds: all
+that the other owners see remains DP with respect to j's data.
 
 Why: under DP every round adds fresh noise to the shared parameters, and the last
 round's model carries all of it. Averaging the recent iterates (as De et al. 2022
