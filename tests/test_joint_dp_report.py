@@ -237,6 +237,9 @@ def test_validation_chosen_personal_lr_and_moving_average_get_their_own_line_pai
                         "| 0.7000 ± 0.0000 (1) | +0.0500 ± 0.0000 (1 of 1 seeds above) |")
     # the tuned row never replaces Table 1's FC1 cell
     assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"
+    # nor is it a Figure 1 point (or Table 4's record-level fallback)
+    assert not report._figure_point(row, 256, "joint-dp", "local")
+    assert report._figure_point(t1[1], 256, "joint-dp", "local")
 
 
 def test_rule_minus_per_silo_is_paired_by_seed_over_the_seeds_both_rows_average(tmp_path):

@@ -66,7 +66,8 @@ def _overridden(row: dict[str, str]) -> bool:
 def _settings(row: dict[str, str]) -> tuple[str, float, float]:
     """(personal rule, personal learning rate, EMA decay) of a row; rows written before
     the last two columns existed ran at the HPARAMS personal learning rate, no EMA."""
-    return (_rule(row), cell_of(row).personal_learning_rate, float(row.get("ema_decay") or 0.0))
+    cell = cell_of(row)
+    return (cell.personal, cell.personal_learning_rate, cell.ema_decay)
 
 
 def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]],
@@ -308,10 +309,10 @@ _CURVES = {("joint-dp", "local"): ("tab:blue", "-"), ("full-dp", "local"): ("tab
 
 def _figure_point(r: dict[str, str], n: int, method: str, trust: str) -> bool:
     """True if row ``r`` is a Figure 1 point of this curve: record level, FC1
-    personal, decoupled (Table 1 rows at epsilon = 1 count too)."""
+    personal, decoupled, HPARAMS settings (Table 1 rows at epsilon = 1 count too)."""
     return (int(r["owners"]) == n and r["method"] == method and r["trust"] == trust
             and int(r.get("records_per_user") or 1) == 1 and r.get("personal_layers", "fc1") == "fc1"
-            and (r.get("coupling") or "decoupled") in ("decoupled", "-"))
+            and (r.get("coupling") or "decoupled") in ("decoupled", "-") and not _overridden(r))
 
 
 def figure1_points(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]],

@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from flwr_jdp.reproduce.joint_dp import Cell, append_row, read_rows, run_seed
+from flwr_jdp.reproduce.joint_dp import Cell, append_row, run_seed
+from flwr_jdp.reproduce.joint_dp import upgrade_table as upgrade_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
@@ -39,24 +40,20 @@ COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers",
            "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay")
 
 
+def _added_columns(r: dict[str, str]) -> dict[str, str]:
+    """The columns a tuning table written before them lacks, at the value its runs
+    used: the clipping norm of :data:`HPARAMS` (empty for a cell without DP) and no
+    moving average (``ema_decay`` 0)."""
+    old = Cell(r["dataset"], int(r["owners"]), r["method"],
+               r["trust"] if r["trust"] != "-" else "local",
+               float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
+    return {"clipping_norm": f"{old.hparams['clipping-norm']:g}" if old.dp else "", "ema_decay": "0"}
+
+
 def upgrade_table(table: Path) -> list[dict[str, str]]:
-    """Rows of ``table``; a file written before a column of :data:`COLUMNS` existed is
-    rewritten with it. Its rows ran at the cell's own value of that column: the
-    clipping norm of :data:`HPARAMS` (empty for a cell without DP) and no moving
-    average (``ema_decay`` 0)."""
-    rows = read_rows(table)
-    if not rows or all(k in rows[0] for k in COLUMNS):
-        return rows
-    for r in rows:
-        old = Cell(r["dataset"], int(r["owners"]), r["method"],
-                   r["trust"] if r["trust"] != "-" else "local",
-                   float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
-        r.setdefault("clipping_norm", f"{old.hparams['clipping-norm']:g}" if old.dp else "")
-        r.setdefault("ema_decay", "0")
-    table.write_text("")
-    for r in rows:
-        append_row(table, r, COLUMNS)
-    return read_rows(table)
+    """Rows of ``table``, rewritten first with any column of :data:`COLUMNS` it lacks
+    (``_added_columns``)."""
+    return upgrade_rows(table, COLUMNS, _added_columns)
 
 
 def main() -> int:

@@ -46,6 +46,7 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,20 +296,28 @@ def append_row(path: Path, row: dict[str, Any], columns: tuple[str, ...] = COLUM
         writer.writerow({k: row.get(k, "") for k in columns})
 
 
-def upgrade_table(path: Path) -> list[dict[str, str]]:
-    """Rows of the table at ``path``; a file written before a column of
-    :data:`COLUMNS` existed is rewritten with it, at the value its runs used: the
-    :data:`HPARAMS` personal learning rate and no moving average."""
+def _columns_added_since(row: dict[str, str]) -> dict[str, str]:
+    """Values of the :data:`COLUMNS` added after the first tables were written, at
+    what those rows' runs used: the HPARAMS personal learning rate, no moving average."""
+    plr = hparams_for(row["method"], row.get("trust", ""))["personal-learning-rate"]
+    return {"personal_learning_rate": f"{plr:g}", "ema_decay": "0"}
+
+
+def upgrade_table(path: Path, columns: tuple[str, ...] = COLUMNS,
+                  added: Callable[[dict[str, str]], dict[str, str]] = _columns_added_since,
+                  ) -> list[dict[str, str]]:
+    """Rows of the table at ``path``; a file written before a column of ``columns``
+    existed is rewritten with it, at the value ``added(row)`` gives for that row (by
+    default the values its runs used, see ``_columns_added_since``)."""
     rows = read_rows(path)
-    if not rows or all(k in rows[0] for k in COLUMNS):
+    if not rows or all(k in rows[0] for k in columns):
         return rows
     for r in rows:
-        if "personal_learning_rate" not in r:
-            r["personal_learning_rate"] = f"{hparams_for(r['method'], r.get('trust', ''))['personal-learning-rate']:g}"
-        r.setdefault("ema_decay", "0")
+        for k, v in added(r).items():
+            r.setdefault(k, v)
     path.write_text("")
     for r in rows:
-        append_row(path, r)
+        append_row(path, r, columns)
     return read_rows(path)
 
 
