@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     jdp.add_argument("--ema-decay", type=float, default=0.0,
                      help="in [0, 1): evaluate the owners on a moving average of the shared model "
                      "(post-processing, no privacy cost); 0 = the last aggregate")
+    jdp.add_argument("--user-batch-size", type=float, default=0.0,
+                     help="user level (--records-per-user > 1): expected users per DP batch "
+                     "(default 0: as many users as fill the method's batch of records; choose it on "
+                     "validation with examples/joint_dp/tune.py --user-batch-sizes)")
     jdp.add_argument("--supernodes", type=_positive(int), default=2,
                      help="simulated SuperNodes; the owners are spread over them")
     jdp.add_argument("--local-epochs", type=_positive(int), default=None, help="default: paper Table 3")
@@ -108,7 +112,8 @@ def _reproduce(args: argparse.Namespace) -> int:
     try:
         cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon,
                     args.records_per_user, args.personal, args.coupling,
-                    personal_lr=args.personal_learning_rate or 0.0, ema_decay=args.ema_decay)
+                    personal_lr=args.personal_learning_rate or 0.0, ema_decay=args.ema_decay,
+                    user_batch=args.user_batch_size)
     except ValueError as err:
         print(f"flwr-jdp reproduce: {err}", file=sys.stderr)
         return 2

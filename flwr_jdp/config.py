@@ -27,7 +27,7 @@ PLACEMENTS = tuple(p.value for p in NoisePlacement)
 
 #: Run-config keys added after results were committed, with the value every
 #: earlier run used: a stored config without the key equals one with it at this value.
-ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0}
+ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0}
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +57,7 @@ class JobConfig:
     personal_coupling: str = "decoupled"
     privacy_unit: str = "record"
     records_per_user: int = 1
+    user_batch_size: float = 0.0
     noise_placement: str = "local"
     target_epsilon: float = 8.0
     noise_multiplier: float = 0.0
@@ -195,6 +196,8 @@ def validate(cfg: JobConfig) -> None:
          "in [0, 1) (0 = evaluate the last aggregate; no privacy cost either way)")
     need(cfg.privacy_unit in UNITS, "privacy_unit", f"one of {UNITS}")
     need(cfg.records_per_user >= 1, "records_per_user", ">= 1")
+    need(finite("user_batch_size") and cfg.user_batch_size >= 0, "user_batch_size",
+         ">= 0 expected users per DP batch (user unit; 0 = batch-size / records-per-user)")
     need(cfg.noise_placement in PLACEMENTS, "noise_placement", f"one of {PLACEMENTS}")
     need(finite("target_epsilon") and cfg.target_epsilon > 0, "target_epsilon", "> 0 and finite")
     need(finite("noise_multiplier") and cfg.noise_multiplier >= 0, "noise_multiplier",

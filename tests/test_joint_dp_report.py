@@ -195,6 +195,26 @@ def test_table4_has_one_line_per_records_per_user_bolds_dp_above_per_silo_and_fa
     assert len(lines) == 4
 
 
+def test_table4_gives_cells_run_with_a_user_batch_their_own_block():
+    """A row run with a validation-chosen user batch never takes the place of the
+    default cell of the same m/r; it is shown in a block of its own."""
+    report = _report()
+    rows = []
+    for cell, acc in ((Cell("fashion-mnist", 4, "per-silo"), 0.88),
+                      (Cell("fashion-mnist", 4, "joint-dp", "local", 1.0, 10), 0.13),
+                      (Cell("fashion-mnist", 4, "joint-dp", "local", 1.0, 10, user_batch=32), 0.70),
+                      (Cell("fashion-mnist", 4, "full-dp", "local", 1.0, 10, user_batch=32), 0.40)):
+        row = dict(_row(cell, acc), records_per_user=cell.records_per_user, user_batch_size=f"{cell.user_batch:g}")
+        rows.append({k: str(v) for k, v in row.items()})
+    lines = report.table4(rows, []).splitlines()
+    assert lines[2] == ("| fashion-mnist | 4 | local | 10 | 0.8800 ± 0.0000 (1) | not run | not run | "
+                        "0.1300 ± 0.0000 (1) | not run | not run | not run | not run |")
+    assert lines[3] == ("| fashion-mnist | 4 | local, 32 users/batch | 10 | 0.8800 ± 0.0000 (1) | not run | "
+                        "0.4000 ± 0.0000 (1) | 0.7000 ± 0.0000 (1) | not run | not run | not run | not run |")
+    assert len(lines) == 4
+    assert report._overridden(rows[2]) and not report._overridden(rows[1])
+
+
 def test_table1_joint_dp_cell_is_fc1_personal_and_other_rules_get_their_own_table():
     """A joint-DP run with more layers personal never replaces Table 1's FC1 cell; the
     rule table sets it beside that cell and per-silo, with the shared parameter count."""

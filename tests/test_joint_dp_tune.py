@@ -34,7 +34,8 @@ def test_old_table_gains_the_clipping_norm_its_runs_used(tmp_path):
     rows = tune.upgrade_table(table)
     assert [r["clipping_norm"] for r in rows] == ["1", ""]  # HPARAMS: C = 1 for DP cells
     assert [r["ema_decay"] for r in rows] == ["0", "0"]  # no moving average before the key
-    assert table.read_text().splitlines()[0].endswith(",clipping_norm,ema_decay")
+    assert [(r["records_per_user"], r["user_batch_size"]) for r in rows] == [("1", "0")] * 2  # record level
+    assert table.read_text().splitlines()[0].endswith(",clipping_norm,ema_decay,records_per_user,user_batch_size")
     assert read_rows(table) == rows and tune.upgrade_table(table) == rows  # idempotent
 
 
@@ -72,10 +73,24 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
                       {"learning-rate": 0.05, "personal-learning-rate": 0.05, "ema-decay": 0.8})]
     assert read_rows(tmp_path / "tuning.csv")[-1]["ema_decay"] == "0.8"
 
+    # a user-level cell is another cell: its default user batch is run, not skipped
+    calls.clear()
+    assert _main(tune, monkeypatch, *common, "--records-per-user", "10", "--user-batch-sizes", "0", "32") == 0
+    assert [c[0] for c in calls] == ["lr0.05-plr0.05", "lr0.05-plr0.05-ub32"]
+    assert calls[1][2]["user-batch-size"] == 32
+    assert [(r["records_per_user"], r["user_batch_size"]) for r in read_rows(tmp_path / "tuning.csv")[-2:]] == [
+        ("10", "0"), ("10", "32")]
+    calls.clear()
+    assert _main(tune, monkeypatch, *common, "--records-per-user", "10", "--user-batch-sizes", "32") == 0
+    assert calls == []
+
 
 @pytest.mark.parametrize("args", [("--method", "fedavg", "--clipping-norms", "1"),
                                   ("--method", "joint-dp", "--clipping-norms", "0"),
-                                  ("--method", "joint-dp", "--ema-decays", "1")])
+                                  ("--method", "joint-dp", "--ema-decays", "1"),
+                                  ("--method", "joint-dp", "--user-batch-sizes", "32"),
+                                  ("--method", "fedavg", "--user-batch-sizes", "32", "--records-per-user", "2"),
+                                  ("--method", "joint-dp", "--user-batch-sizes", "-1", "--records-per-user", "2")])
 def test_bad_grid_values_fail_at_start(tmp_path, monkeypatch, capsys, args):
     tune = _tune()
     with pytest.raises(SystemExit):

@@ -133,12 +133,23 @@ def test_validation_chosen_overrides_name_their_own_runs_and_reach_the_run_confi
     assert (plain.personal_learning_rate, plain.ema_decay) == (0.05, 0.0)
     # the default spelt out is the same cell (same name, same runs)
     assert Cell("fashion-mnist", 256, "joint-dp", personal_lr=0.05) == base
-    for bad, option in (({"ema_decay": 1.0}, "--ema-decay"), ({"personal_lr": -1.0}, "--personal-learning-rate")):
+    for bad, option in (({"ema_decay": 1.0}, "--ema-decay"), ({"personal_lr": -1.0}, "--personal-learning-rate"),
+                        ({"user_batch": -1.0}, "--user-batch-size"), ({"user_batch": 8.0}, "--user-batch-size")):
         with pytest.raises(ValueError, match=option):
-            Cell("fashion-mnist", 256, "joint-dp", **bad)
+            Cell("fashion-mnist", 256, "joint-dp", **bad)  # user_batch 8 at the record level: rejected
 
 
-def test_a_seed_stored_before_ema_decay_existed_is_still_reused(tmp_path, monkeypatch):
+def test_a_user_batch_names_its_own_runs_and_reaches_the_run_config(tmp_path):
+    user = Cell("fashion-mnist", 4, "full-dp", "central", 1.0, 10)
+    batched = Cell("fashion-mnist", 4, "full-dp", "central", 1.0, 10, user_batch=32)
+    assert batched.name == user.name + "-ub32"
+    assert parse_config(run_config(batched, 0, "/data", str(tmp_path))).user_batch_size == 32
+    assert parse_config(run_config(user, 0, "/data", str(tmp_path))).user_batch_size == 0
+    with pytest.raises(ValueError, match="--user-batch-size"):
+        Cell("fashion-mnist", 4, "fedavg", records_per_user=10, user_batch=32)
+
+
+def test_a_seed_stored_before_ema_decay_and_user_batch_existed_is_still_reused(tmp_path, monkeypatch):
     import json
 
     import flwr_jdp.simulation as simulation
@@ -148,7 +159,7 @@ def test_a_seed_stored_before_ema_decay_existed_is_still_reused(tmp_path, monkey
     seed_dir = tmp_path / "runs" / cell.name / "seed0"
     seed_dir.mkdir(parents=True)
     old = parse_config(run_config(cell, 0, "", str(seed_dir))).to_dict()
-    del old["ema-decay"]
+    del old["ema-decay"], old["user-batch-size"]
     (seed_dir / "results.json").write_text(json.dumps(
         {"status": "completed", "config": old, "final_accuracy": 0.5, "wall_seconds": 3.0}))
     monkeypatch.setattr(simulation, "simulate", lambda *a, **k: pytest.fail("a finished seed was rerun"))
@@ -170,7 +181,8 @@ def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path
                      "digits,4,joint-dp,local,8.0,1,0.5,0.0,1,fc1,1,2,3.0,decoupled\n"
                      "digits,4,fedavg,-,inf,1,0.7,0.0,1,fc1,1,2,3.0,-\n")
     rows = upgrade_table(table)
-    assert [(r["personal_learning_rate"], r["ema_decay"]) for r in rows] == [("0.05", "0"), ("0.05", "0")]
+    assert [(r["personal_learning_rate"], r["ema_decay"], r["user_batch_size"]) for r in rows] == [
+        ("0.05", "0", "0"), ("0.05", "0", "0")]
     assert read_rows(table) == rows and upgrade_table(table) == rows  # idempotent
     # a finished cell whose row is already there (in the old format) is not appended again
     cell = Cell("digits", 4, "joint-dp", "local", 8.0)

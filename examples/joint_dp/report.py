@@ -57,10 +57,10 @@ def _rule(row: dict[str, str]) -> str:
 
 
 def _overridden(row: dict[str, str]) -> bool:
-    """True for a row run with a validation-chosen personal learning rate or moving
-    average (not a Table 1 cell)."""
+    """True for a row run with a validation-chosen personal learning rate, moving
+    average or user batch (not a Table 1 cell)."""
     cell = cell_of(row)
-    return bool(cell.personal_lr or cell.ema_decay)
+    return bool(cell.personal_lr or cell.ema_decay or cell.user_batch)
 
 
 def _settings(row: dict[str, str]) -> tuple[str, float, float]:
@@ -132,7 +132,8 @@ def cell_of(row: dict[str, str]) -> Cell:
                 row.get("personal_layers") or "fc1",
                 (row.get("coupling") or "decoupled") if row["method"] == "joint-dp" else "decoupled",
                 personal_lr=float(row.get("personal_learning_rate") or 0.0),
-                ema_decay=float(row.get("ema_decay") or 0.0))
+                ema_decay=float(row.get("ema_decay") or 0.0),
+                user_batch=float(row.get("user_batch_size") or 0.0))
 
 
 def run_seconds(runs: Path, cell: Cell) -> list[float]:
@@ -256,20 +257,24 @@ def table4(rows: list[dict[str, str]], baselines: list[dict[str, str]] = ()) -> 
     cell wins. Per-silo and FedAvg are taken from ``baselines`` (Table 1's rows: the
     same cells) where ``rows`` has none, and so is a DP cell at m/r = 1 (record level:
     Table 1's cell at epsilon = 1, FC1 personal, marked "T1"). A DP accuracy above per-silo's is in bold
-    (the paper underlines it)."""
+    (the paper underlines it). Rows run with a user batch chosen on validation
+    (``user_batch_size`` > 0) form their own block, its trust column naming the batch."""
     head = ("| data set | n | trust | m/r | per-silo | without DP (FedAvg) | full-DP ε=1 | "
             "joint-DP ε=1 | joint-DP ε=3 | joint-DP ε=8 | full-DP ε=3 | full-DP ε=8 |")
     lines = [head, "|" + "---|" * 12]
     dp_rows = [r for r in rows if r["method"] in ("full-dp", "joint-dp")]
-    for ds, n, trust in sorted({(r["dataset"], int(r["owners"]), r["trust"]) for r in dp_rows}):
-        block = [r for r in rows if r["dataset"] == ds and int(r["owners"]) == n]
+    for ds, n, trust, ub in sorted({(r["dataset"], int(r["owners"]), r["trust"], _user_batch(r))
+                                    for r in dp_rows}):
+        everything = [r for r in rows if r["dataset"] == ds and int(r["owners"]) == n]
+        block = [r for r in everything if _user_batch(r) == ub]
         base = [r for r in baselines if r["dataset"] == ds and int(r["owners"]) == n]
-        silo = _latest(block, method="per-silo") or _latest(base, method="per-silo")
-        fed = _latest(block, method="fedavg") or _latest(base, method="fedavg")
+        silo = _latest(everything, method="per-silo") or _latest(base, method="per-silo")
+        fed = _latest(everything, method="fedavg") or _latest(base, method="fedavg")
         mrs = {_mr(r) for r in dp_rows if r in block and r["trust"] == trust}
-        if any(float(r["epsilon"]) == 1.0 and _figure_point(r, n, m, trust)
-               for r in base for m in ("full-dp", "joint-dp")):
+        if not ub and any(float(r["epsilon"]) == 1.0 and _figure_point(r, n, m, trust)
+                          for r in base for m in ("full-dp", "joint-dp")):
             mrs.add(1)
+        label = f"{trust}, {ub:g} users/batch" if ub else trust
         mrs = sorted(mrs)
         for i, mr in enumerate(mrs):
             cells = ["", ""] if i else [_fmt(silo) if silo else "not run", _fmt(fed) if fed else "not run"]
@@ -277,7 +282,7 @@ def table4(rows: list[dict[str, str]], baselines: list[dict[str, str]] = ()) -> 
                 hit = _latest([r for r in block if float(r["epsilon"]) == eps and _mr(r) == mr],
                               method=method, trust=trust)
                 mark = ""
-                if not hit and mr == 1:  # record level at epsilon = 1: Table 1's own cell
+                if not hit and mr == 1 and not ub:  # record level at epsilon = 1: Table 1's own cell
                     hit = _latest([r for r in base if float(r["epsilon"]) == eps and _mr(r) == 1
                                    and _figure_point(r, n, method, trust)])
                     mark = " T1" if hit else ""
@@ -287,8 +292,13 @@ def table4(rows: list[dict[str, str]], baselines: list[dict[str, str]] = ()) -> 
                     cells.append(f"**{_fmt(hit)}**{mark}")
                 else:
                     cells.append(_fmt(hit) + mark)
-            lines.append(f"| {ds} | {n} | {trust} | {mr} | " + " | ".join(cells) + " |")
+            lines.append(f"| {ds} | {n} | {label} | {mr} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _user_batch(row: dict[str, str]) -> float:
+    """Users per DP batch a row's runs were given (0: the default, batch / m/r)."""
+    return float(row.get("user_batch_size") or 0.0)
 
 
 def _mr(row: dict[str, str]) -> int:
@@ -441,10 +451,10 @@ def main() -> int:
     if tuning:
         keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
                 "validation_fraction",
-                "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "noise_multiplier",
-                "final_epsilon")
+                "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
+                "user_batch_size", "noise_multiplier", "final_epsilon")
         lines = ["| " + " | ".join(keys) + " | validation accuracy |", "|" + "---|" * (len(keys) + 1)]
-        lines += ["| " + " | ".join(r.get(k) or ("0" if k == "ema_decay" else "") for k in keys)
+        lines += ["| " + " | ".join(r.get(k) or {"ema_decay": "0", "records_per_user": "1", "user_batch_size": "0"}.get(k, "") for k in keys)
                   + f" | {float(r['val_acc']):.4f} |" for r in tuning]
         parts += ["### Learning-rate, clipping-norm and personal-layer tuning on validation splits (`tune.py`; test split not read)",
                   "\n".join(lines)]

@@ -16,8 +16,11 @@ training split, at the same target epsilon.
 noise is z * C, so z is unchanged: C trades clipping bias against noise).
 ``--ema-decays 0.5 0.8`` adds the decay of the moving average the owners are
 evaluated with (run-config ``ema-decay``; post-processing, z and epsilon unchanged).
+``--records-per-user 10 --user-batch-sizes 3.2 32`` tunes a user-level cell (m/r
+records per user) over the expected users per DP batch (run-config
+``user-batch-size``; z is recalibrated to the same epsilon for each).
 The grid is the product of the learning rates, personal learning rates, clipping
-norms and decays.
+norms, decays and user batches.
 
 Appends one row per grid point to ``results/joint_dp/tuning.csv`` (points already
 there are skipped) and prints the best point.
@@ -37,17 +40,20 @@ from flwr_jdp.reproduce.joint_dp import upgrade_table as upgrade_rows
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
            "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
-           "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay")
+           "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay", "records_per_user",
+           "user_batch_size")
 
 
 def _added_columns(r: dict[str, str]) -> dict[str, str]:
     """The columns a tuning table written before them lacks, at the value its runs
-    used: the clipping norm of :data:`HPARAMS` (empty for a cell without DP) and no
-    moving average (``ema_decay`` 0)."""
+    used: the clipping norm of :data:`HPARAMS` (empty for a cell without DP), no
+    moving average (``ema_decay`` 0), the record level (``records_per_user`` 1, so
+    ``user_batch_size`` 0)."""
     old = Cell(r["dataset"], int(r["owners"]), r["method"],
                r["trust"] if r["trust"] != "-" else "local",
                float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
-    return {"clipping_norm": f"{old.hparams['clipping-norm']:g}" if old.dp else "", "ema_decay": "0"}
+    return {"clipping_norm": f"{old.hparams['clipping-norm']:g}" if old.dp else "", "ema_decay": "0",
+            "records_per_user": "1", "user_batch_size": "0"}
 
 
 def upgrade_table(table: Path) -> list[dict[str, str]]:
@@ -74,6 +80,11 @@ def main() -> int:
     parser.add_argument("--ema-decays", type=float, nargs="*", default=[],
                         help="moving-average decays of the evaluated shared model to try "
                         "(run-config ema-decay; default 0 = none)")
+    parser.add_argument("--records-per-user", type=int, default=1,
+                        help="m/r: > 1 tunes a user-level cell (the privacy unit is the user)")
+    parser.add_argument("--user-batch-sizes", type=float, nargs="*", default=[],
+                        help="expected users per DP batch to try, user-level DP cells only "
+                        "(run-config user-batch-size; default 0 = batch-size / m/r)")
     parser.add_argument("--validation-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--supernodes", type=int, default=2)
@@ -82,7 +93,14 @@ def main() -> int:
     if not 0 < args.validation_fraction < 1:
         parser.error("--validation-fraction must be in (0, 1): tuning never reads the test split")
 
-    cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon, 1, args.personal)
+    if args.records_per_user < 1:
+        parser.error(f"--records-per-user must be >= 1, got {args.records_per_user}")
+    cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon, args.records_per_user,
+                args.personal)
+    if args.user_batch_sizes and (not cell.dp or args.records_per_user == 1):
+        parser.error("--user-batch-sizes applies to DP cells at the user level (--records-per-user > 1)")
+    if any(not b >= 0 for b in args.user_batch_sizes):
+        parser.error(f"--user-batch-sizes must be >= 0, got {args.user_batch_sizes}")
     if args.clipping_norms and not cell.dp:
         parser.error(f"--clipping-norms applies to DP cells only, not to {cell.method}")
     if any(c <= 0 for c in args.clipping_norms):
@@ -93,19 +111,24 @@ def main() -> int:
     personal_lrs = args.personal_learning_rates or [base["personal-learning-rate"]]
     clips = args.clipping_norms or ([base["clipping-norm"]] if cell.dp else [None])
     decays = args.ema_decays or [0.0]
+    user_batches = args.user_batch_sizes or [0.0]
+    mr = str(cell.records_per_user)
     table = Path(args.out) / "tuning.csv"
     work = Path(args.out) / "tuning_runs"
     rows = upgrade_table(table)
-    for lr, plr, clip, decay in itertools.product(args.learning_rates, personal_lrs, clips, decays):
+    for lr, plr, clip, decay, ub in itertools.product(args.learning_rates, personal_lrs, clips, decays,
+                                                      user_batches):
         clip_txt = f"{clip:g}" if clip is not None else ""
         point = (f"lr={lr:g} personal lr={plr:g}" + (f" C={clip_txt}" if clip_txt else "")
-                 + (f" ema-decay={decay:g}" if decay else ""))
+                 + (f" ema-decay={decay:g}" if decay else "")
+                 + (f" m/r={mr}" if mr != "1" else "") + (f" user-batch={ub:g}" if ub else ""))
         key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
                f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}", clip_txt,
-               f"{decay:g}")
+               f"{decay:g}", mr, f"{ub:g}")
         if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"], r["personal_layers"],
                 r["learning_rate"], r["personal_learning_rate"], r["clipping_norm"],
-                r.get("ema_decay") or "0") == key for r in rows):
+                r.get("ema_decay") or "0", r.get("records_per_user") or "1",
+                r.get("user_batch_size") or "0") == key for r in rows):
             print(f"skip {point} (in {table.name})", flush=True)
             continue
         extra = {"learning-rate": lr, "personal-learning-rate": plr}
@@ -116,6 +139,9 @@ def main() -> int:
         if decay:
             extra["ema-decay"] = decay
             run_dir += f"-ema{decay:g}"
+        if ub:
+            extra["user-batch-size"] = ub
+            run_dir += f"-ub{ub:g}"
         t0 = time.time()
         res = run_seed(cell, args.seed, args.data_dir, work / run_dir, args.supernodes,
                        validation_fraction=args.validation_fraction, extra=extra)
@@ -126,18 +152,20 @@ def main() -> int:
                                  res.get("noise_multiplier", 0.0),
                                  round(float(res.get("final_epsilon", 0.0)), 4),
                                  round(float(res["final_accuracy"]), 4),
-                                 round(time.time() - t0, 1), clip_txt, key[9]), strict=True))
+                                 round(time.time() - t0, 1), clip_txt, *key[9:]), strict=True))
         append_row(table, row, COLUMNS)
         rows.append({k: str(v) for k, v in row.items()})
         print(f"{point}: validation accuracy {row['val_acc']:.4f} "
               f"(z {row['noise_multiplier']}, epsilon {row['final_epsilon']})", flush=True)
     mine = [r for r in rows if (r["dataset"], r["owners"], r["method"], r["trust"], r["personal_layers"])
             == (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-", cell.personal)
-            and r["epsilon"] == (f"{cell.epsilon:g}" if cell.dp else "inf")]
+            and r["epsilon"] == (f"{cell.epsilon:g}" if cell.dp else "inf")
+            and (r.get("records_per_user") or "1") == mr]
     best = max(mine, key=lambda r: float(r["val_acc"]))
     print(f"best on validation: lr={best['learning_rate']} personal lr={best['personal_learning_rate']}"
           + (f" C={best['clipping_norm']}" if best["clipping_norm"] else "")
           + (f" ema-decay={best['ema_decay']}" if best.get("ema_decay", "0") != "0" else "")
+          + (f" user-batch={best['user_batch_size']}" if best.get("user_batch_size", "0") != "0" else "")
           + f" -> {float(best['val_acc']):.4f}", flush=True)
     return 0
 

@@ -79,9 +79,18 @@ def units_of(cfg: JobConfig, size: OwnerSize) -> int:
 
 
 def batch_units(cfg: JobConfig) -> float:
-    """Expected units per batch for a batch of ``batch-size`` records."""
+    """Expected units per DP batch: ``batch-size`` records, or under the user unit
+    ``user-batch-size`` users (0: as many users as fill ``batch-size`` records,
+    ``batch-size / records-per-user``).
+
+    The noise a batch gets is ``z C`` on the sum over its units, so the noise per
+    unit of signal is ``z / batch_units``; at a fixed epsilon a batch of few users
+    (small q) needs less ``z`` but takes many more steps, and the noise that
+    accumulates per epoch grows as ``1 / q**2`` (for ``z`` roughly proportional to
+    ``q sqrt(steps)``). ``user-batch-size`` lets the user unit keep as many units
+    per batch as the record unit instead of as many records."""
     if cfg.unit is PrivacyUnit.USER:
-        return cfg.batch_size / cfg.records_per_user
+        return cfg.user_batch_size or cfg.batch_size / cfg.records_per_user
     return float(cfg.batch_size)
 
 

@@ -35,8 +35,9 @@ and, at 0.05, the clipping norm (0.5, 1, 2; flat, 1 kept) and the personal-layer
 (``fc1``, ``conv2+fc1``, ``conv1+conv2+fc1``: the fewer parameters shared, the higher the
 validation accuracy; Table 1 keeps the paper's ``fc1``), the personal learning rate (0.2:
 no gain) and the moving-average decay (``ema-decay`` 0.8, 0.9: no gain beyond the spread
-of single runs), in ``results/joint_dp/tuning.csv``. A cell's ``personal_lr`` and
-``ema_decay`` override :data:`HPARAMS` for settings chosen that way.
+of single runs), in ``results/joint_dp/tuning.csv``. A cell's ``personal_lr``,
+``ema_decay`` and ``user_batch`` (users per DP batch at the user level, run-config
+``user-batch-size``) override :data:`HPARAMS` for settings chosen that way.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
 TRUST = ("local", "central")
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "seeds", "acc_mean", "acc_std",
            "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds", "coupling",
-           "personal_learning_rate", "ema_decay")
+           "personal_learning_rate", "ema_decay", "user_batch_size")
 COUPLINGS = ("decoupled", "interleaved")
 
 #: The paper's Table 3: n -> (local epochs E, global rounds T).
@@ -120,6 +121,9 @@ class Cell:
     #: evaluated with (run-config ``ema-decay``; 0 = none).
     personal_lr: float = 0.0
     ema_decay: float = 0.0
+    #: User unit only: expected users per DP batch (run-config ``user-batch-size``;
+    #: 0 = as many users as fill the HPARAMS batch of records).
+    user_batch: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -140,6 +144,11 @@ class Cell:
             raise ValueError(f"--personal-learning-rate must be > 0 (0 = default), got {self.personal_lr}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
+        if not (self.user_batch >= 0 and math.isfinite(self.user_batch)):
+            raise ValueError(f"--user-batch-size must be >= 0 (0 = default), got {self.user_batch}")
+        if self.user_batch and (self.records_per_user == 1 or not self.dp):
+            raise ValueError("--user-batch-size applies to DP cells at the user level "
+                             "(--records-per-user > 1) only")
         if self.personal_lr == self.hparams["personal-learning-rate"]:
             object.__setattr__(self, "personal_lr", 0.0)  # the default spelt out: same cell
 
@@ -164,7 +173,8 @@ class Cell:
                 f"-mr{self.records_per_user}-{self.personal}"
                 + ("-interleaved" if self.method == "joint-dp" and self.coupling == "interleaved" else "")
                 + (f"-plr{self.personal_lr:g}" if self.personal_lr else "")
-                + (f"-ema{self.ema_decay:g}" if self.ema_decay else ""))
+                + (f"-ema{self.ema_decay:g}" if self.ema_decay else "")
+                + (f"-ub{self.user_batch:g}" if self.user_batch else ""))
 
 
 def schedule_for(owners: int) -> tuple[int, int]:
@@ -209,6 +219,8 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
     cfg["personal-learning-rate"] = cell.personal_learning_rate
     if cell.ema_decay:
         cfg["ema-decay"] = cell.ema_decay
+    if cell.user_batch:
+        cfg["user-batch-size"] = cell.user_batch
     cfg.update(extra or {})
     parse_config(cfg)  # fail early with the key's name
     return cfg
@@ -277,6 +289,7 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
         "seconds": round(seconds, 1),
         "coupling": cell.coupling if cell.method == "joint-dp" else "-",
         "personal_learning_rate": f"{cell.personal_learning_rate:g}", "ema_decay": f"{cell.ema_decay:g}",
+        "user_batch_size": f"{cell.user_batch:g}",
     }
     if {k: str(row.get(k, "")) for k in COLUMNS} in upgrade_table(out / table):
         print(f"[{cell.name}] every seed reused: {table} already holds this row", flush=True)
@@ -298,9 +311,10 @@ def append_row(path: Path, row: dict[str, Any], columns: tuple[str, ...] = COLUM
 
 def _columns_added_since(row: dict[str, str]) -> dict[str, str]:
     """Values of the :data:`COLUMNS` added after the first tables were written, at
-    what those rows' runs used: the HPARAMS personal learning rate, no moving average."""
+    what those rows' runs used: the HPARAMS personal learning rate, no moving average,
+    the default user batch (``user_batch_size`` 0)."""
     plr = hparams_for(row["method"], row.get("trust", ""))["personal-learning-rate"]
-    return {"personal_learning_rate": f"{plr:g}", "ema_decay": "0"}
+    return {"personal_learning_rate": f"{plr:g}", "ema_decay": "0", "user_batch_size": "0"}
 
 
 def upgrade_table(path: Path, columns: tuple[str, ...] = COLUMNS,
