@@ -35,7 +35,9 @@ and, at 0.05, the clipping norm (0.5, 1, 2; flat, 1 kept) and the personal-layer
 (``fc1``, ``conv2+fc1``, ``conv1+conv2+fc1``: the fewer parameters shared, the higher the
 validation accuracy; Table 1 keeps the paper's ``fc1``), the personal learning rate (0.2:
 no gain) and the moving-average decay (``ema-decay`` 0.8, 0.9: no gain beyond the spread
-of single runs), in ``results/joint_dp/tuning.csv``. A cell's ``personal_lr``,
+of single runs); and at n = 4, m/r = 10 (user level) the users per DP batch (32 for
+joint DP under local noise, 64 for full DP under central noise, against 3.2 by default),
+in ``results/joint_dp/tuning.csv``. A cell's ``personal_lr``,
 ``ema_decay`` and ``user_batch`` (users per DP batch at the user level, run-config
 ``user-batch-size``) override :data:`HPARAMS` for settings chosen that way.
 """
