@@ -79,7 +79,11 @@ def test_owners_sample_and_ledger_records_the_user_batch(run_config, monkeypatch
     ledger = json.loads((Path(run_config["results-dir"]) / "ledger.json").read_text())
     assert ledger["unit"] == "user"
     used = {round(q, 12) for _, q in rates}
+    recorded = set()
     for scope, entries in ledger["scopes"].items():
-        for event, _count in entries:
-            assert round(event["event"]["sampling_probability"], 12) in used, scope
+        for event, _rounds in entries:  # SelfComposed(PoissonSampled(q, Gaussian), steps) per round
+            q = event["event"]["sampling_probability"]
+            assert event["count"] == max(1, round(run_config["local-epochs"] / q)), scope
+            recorded.add(round(q, 12))
+    assert recorded == used  # the rates the owners sampled at are the rates accounted
 

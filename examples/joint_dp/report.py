@@ -409,6 +409,10 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
     return True
 
 
+#: Values an empty tuning-table cell stands for (rows from before the column existed).
+_TUNING_DEFAULTS = {"ema_decay": "0", "records_per_user": "1", "user_batch_size": "0"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=str(ROOT / "results" / "joint_dp"))
@@ -454,7 +458,7 @@ def main() -> int:
                 "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
                 "user_batch_size", "noise_multiplier", "final_epsilon")
         lines = ["| " + " | ".join(keys) + " | validation accuracy |", "|" + "---|" * (len(keys) + 1)]
-        lines += ["| " + " | ".join(r.get(k) or {"ema_decay": "0", "records_per_user": "1", "user_batch_size": "0"}.get(k, "") for k in keys)
+        lines += ["| " + " | ".join(r.get(k) or _TUNING_DEFAULTS.get(k, "") for k in keys)
                   + f" | {float(r['val_acc']):.4f} |" for r in tuning]
         parts += ["### Learning-rate, clipping-norm and personal-layer tuning on validation splits (`tune.py`; test split not read)",
                   "\n".join(lines)]
