@@ -138,7 +138,8 @@ class SubjectLevelFedAvg:
         if cfg.method == "local-item-dp":
             return {f"silo/{i}": dp_sgd(plan.noise_multiplier, q, cfg.local_steps)
                     for i, q in enumerate(plan.sample_rates)}
-        rel = [SiloRelease(q, plan.noise_multiplier, cfg.local_steps) for q in plan.sample_rates]
+        rel = [SiloRelease(q, plan.noise_multiplier, cfg.local_steps, sampling=cfg.sampling)
+               for q in plan.sample_rates]
         acc = HorizontalAccountant(self.counts, cfg.delta, self.accountant)
         return {f"subject/{a}": acc.subject_event(self.counts[a], rel, 1) for a in acc.candidates}
 
@@ -191,8 +192,8 @@ class SubjectLevelFedAvg:
         self.counts = self.discover(grid, timeout)
         t0 = time.time()
         self.plan = make_plan(cfg, self.counts, self.accountant)
-        log(INFO, "Plan (%s, %s accounting, inclusion %s): z = %.4f, %d rounds, exact epsilon %.4g, "
-            "s-fold bound %.4g, claimed %.4g (%.0f s)", cfg.method, cfg.accounting, cfg.inclusion,
+        log(INFO, "Plan (%s, %s accounting, inclusion %s, sampling %s): z = %.4f, %d rounds, exact epsilon "
+            "%.4g, s-fold bound %.4g, claimed %.4g (%.0f s)", cfg.method, cfg.accounting, cfg.inclusion, cfg.sampling,
             self.plan.noise_multiplier, self.plan.rounds, self.plan.epsilon, self.plan.epsilon_sfold,
             self.plan.epsilon_claimed, time.time() - t0)
         ledger = PrivacyLedger(delta=cfg.delta, accountant=self.accountant, unit=self.plan.unit)

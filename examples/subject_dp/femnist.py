@@ -50,6 +50,9 @@ RUNS: dict[str, dict] = {
     "higradavg-sqrt-rounds": {"method": "higradavg-dp", "accounting": "sqrt-rounds"},
     # the paper's accounting (record sampling rate, under-counts subjects; true epsilon reported)
     "higradavg-paper": {"method": "higradavg-dp", "accounting": "sqrt-rounds", "inclusion": "record"},
+    # beyond the paper: Poisson over each silo's subjects (batch-size = expected subjects,
+    # one record each), so every writer is amplified by the same rate whatever its count
+    "higradavg-subject-sampling": {"method": "higradavg-dp", "accounting": "exact", "sampling": "subjects"},
     "local-group-dp": {"method": "local-group-dp", "accounting": "scaled-steps"},
     "user-ldp": {"method": "user-ldp", "accounting": "exact"},
 }

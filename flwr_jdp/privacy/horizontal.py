@@ -32,6 +32,23 @@ Subject sampling amplification (claimed, proved here, tested)
     an upper bound on ``k`` may use it. Removing the subject does not change ``q``
     or the public denominator ``B`` (both fixed before training). QED.
 
+Subject sampling (``SiloRelease.sampling = "subjects"``, HiGradAvgDP; claimed, proved here, tested)
+    The silo Poisson-samples its *subjects* at rate ``q`` and each sampled subject
+    brings some of its records here (any rule that depends only on that subject's
+    records and on randomness independent of the other subjects); the step
+    releases ``(sum_a v_a + N(0, (zC)^2 I)) / B`` with ``B = q u`` fixed before
+    training (``u`` subjects at the silo) and ``||v_a|| <= C``.
+    *Claim:* for a subject with at least one record here, one step is dominated by
+    ``PoissonSampled(q, Gaussian(z))``, whatever its record count.
+    *Proof.* Given the other subjects' draws, the output is ``N`` (rest of the
+    batch plus noise) with probability ``1 - q`` and ``N + v_J`` with probability
+    ``q``, where ``J`` (its drawn records) is independent of ``N``. This is the
+    mixture of the record-sampling proof above with ``p_k`` replaced by ``q``; the
+    same rotation-invariance and joint-convexity argument applies. QED. Unlike
+    record sampling, where a subject with ``k`` records is present at
+    ``1 - (1 - q)^k``, every subject is amplified by the same ``q``, so the heaviest
+    subjects no longer set the noise for all.
+
 Accounting modes (``ACCOUNTING``)
     - ``exact``: for every subject, compose the events of every silo that holds it
       (heterogeneous rates and steps composed by the PLD accountant); epsilon is the
@@ -88,12 +105,24 @@ class SiloRelease:
         Claim amplification by the subject inclusion rate ``1 - (1-q)^k``
         (HiGradAvgDP, and UserLDP: a subject none of whose records is drawn does
         not change the batch gradient); ``False`` claims none (conservative).
+    sampling : str
+        ``records`` (``sample_rate`` is the record rate, above) or ``subjects``
+        (``sample_rate`` is every subject's inclusion rate, whatever its count).
     """
 
     sample_rate: float
     noise_multiplier: float
     steps: int
     amplified: bool = True
+    sampling: str = "records"
+
+    def inclusion_rate(self, records: int) -> float:
+        """Probability that a subject with ``records`` records here is in a batch."""
+        if records <= 0:
+            return 0.0
+        if self.sampling == "subjects":
+            return min(1.0, float(self.sample_rate))
+        return subject_inclusion_rate(self.sample_rate, records)
 
     def subject_event(self, records: int, rounds: int) -> dpa.DpEvent:
         """Event of ``rounds`` rounds for a subject with ``records`` records here."""
@@ -101,7 +130,7 @@ class SiloRelease:
             return dpa.NoOpDpEvent()
         step: dpa.DpEvent = dpa.GaussianDpEvent(float(self.noise_multiplier))
         if self.amplified:
-            p = subject_inclusion_rate(self.sample_rate, records)
+            p = self.inclusion_rate(records)
             if p < 1.0:
                 step = dpa.PoissonSampledDpEvent(p, step)
         return dpa.SelfComposedDpEvent(step, int(self.steps * rounds))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..config import build_from_run_config
 from ..privacy.horizontal import ACCOUNTING
-from ..training.subject_level import METHODS
+from ..training.subject_level import METHODS, SAMPLING
 
 INCLUSION = ("subject", "record")
 DATASETS = ("femnist", "shakespeare")
@@ -20,6 +20,8 @@ class SubjectDPConfig:
     method: str = "higradavg-dp"
     accounting: str = "exact"
     inclusion: str = "subject"
+    sampling: str = "records"  # records (the paper's) | subjects (higradavg-dp: Poisson over subjects)
+    records_per_subject: int = 1  # sampling = subjects: records each sampled subject brings (0 = all)
     target_epsilon: float = 4.0
     delta: float = 1e-5
     budget_rounds: int = 100
@@ -50,6 +52,12 @@ class SubjectDPConfig:
         need(self.method in METHODS, "method", f"one of {METHODS}, got {self.method!r}")
         need(self.accounting in ACCOUNTING, "accounting", f"one of {ACCOUNTING}, got {self.accounting!r}")
         need(self.inclusion in INCLUSION, "inclusion", f"one of {INCLUSION}, got {self.inclusion!r}")
+        need(self.sampling in SAMPLING, "sampling", f"one of {SAMPLING}, got {self.sampling!r}")
+        need(self.sampling == "records" or self.method == "higradavg-dp", "sampling",
+             f"'records' for method {self.method!r} ('subjects' is for higradavg-dp)")
+        need(self.sampling == "records" or self.inclusion == "subject", "inclusion",
+             "'subject' with sampling = subjects")
+        need(0 <= self.records_per_subject <= 100_000, "records-per-subject", "in [0, 100000] (0 = all)")
         need(math.isfinite(self.target_epsilon) and self.target_epsilon > 0, "target-epsilon", "> 0")
         need(0 < self.delta < 1, "delta", "in (0, 1)")
         need(self.budget_rounds >= 1, "budget-rounds", ">= 1")

@@ -19,6 +19,11 @@ Computed once, by the server, before training, from the subject-to-silo counts:
   ``sqrt-rounds`` define the budget's batch count and the rounds. Its epsilon is
   the paper's claim (data-dependent noise; see :mod:`.group_privacy`).
 
+With ``sampling = subjects`` (HiGradAvgDP) each silo samples its subjects at
+``q_i = batch-size / u_i`` (``u_i`` subjects at silo ``i``; ``batch-size`` is then the
+expected number of subjects per batch), and every subject present at a silo is
+included at ``q_i`` whatever its count (:class:`~flwr_jdp.privacy.horizontal.SiloRelease`).
+
 Per-silo record-level epsilon is increasing in the sampling rate (sampling at
 ``q' < q`` is sampling at ``q'/q`` of the rate-``q`` sample, post-processing), so
 calibrating to the largest rate covers every silo.
@@ -64,14 +69,21 @@ def sample_rates(records_per_silo: np.ndarray, batch_size: int) -> tuple[float, 
     return tuple(min(1.0, batch_size / max(1, int(n))) for n in records_per_silo)
 
 
-def releases(rates: tuple[float, ...], z: float, steps: int) -> list[SiloRelease]:
-    return [SiloRelease(q, z, steps) for q in rates]
+def releases(rates: tuple[float, ...], z: float, steps: int, sampling: str = "records") -> list[SiloRelease]:
+    return [SiloRelease(q, z, steps, sampling=sampling) for q in rates]
+
+
+def silo_rates(cfg: SubjectDPConfig, counts: np.ndarray) -> tuple[float, ...]:
+    """Each silo's Poisson rate: of records (``sampling = records``) or of subjects."""
+    if cfg.sampling == "subjects":
+        return sample_rates((counts > 0).sum(axis=0), cfg.batch_size)
+    return sample_rates(counts.sum(axis=0), cfg.batch_size)
 
 
 def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld") -> SubjectPlan:
     """Calibrate (or take) the noise and fix the rounds for ``cfg`` on ``counts``."""
     s = counts.shape[1]
-    rates = sample_rates(counts.sum(axis=0), cfg.batch_size)
+    rates = silo_rates(cfg, counts)
     R, steps = cfg.budget_rounds, cfg.local_steps
     nan = float("nan")
     if not cfg.private:
@@ -92,7 +104,7 @@ def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld")
     elif cfg.inclusion == "record":  # the paper's accounting: record rate q per silo
         z = calibrate(target, delta, lambda z: [record_event(z, max(rates), cal_steps)], accountant)
     else:
-        z = acc.calibrate(target, R, lambda z: releases(rates, z, steps), cfg.accounting)
-    rel = releases(rates, z, steps)
+        z = acc.calibrate(target, R, lambda z: releases(rates, z, steps, cfg.sampling), cfg.accounting)
+    rel = releases(rates, z, steps, cfg.sampling)
     return SubjectPlan(z, rounds, rates, cal_steps, "subject", acc.epsilon(rel, rounds),
                        acc.s_fold_epsilon(rel, rounds), target)

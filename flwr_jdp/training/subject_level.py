@@ -1,7 +1,7 @@
 """One silo's local training round under each subject-level mechanism.
 
 Records are Poisson-sampled at rate ``q`` (expected batch ``B = q n``, a public
-denominator). Per step, with ``C`` the clipping norm and ``z`` the noise
+denominator; or subjects, see *Sampling* below). Per step, with ``C`` the clipping norm and ``z`` the noise
 multiplier (always relative to the per-step sensitivity stated below):
 
 ============== ================================================ ======================
@@ -23,6 +23,19 @@ scaled to ``2C``. LocalGroupDP (Algorithm 3) reads the group size ``Z`` (largest
 number of records of one subject) off each batch and uses ``sigma_Z`` from
 :mod:`flwr_jdp.subject.group_privacy`.
 
+Sampling (``SiloPlan.sampling``):
+
+- ``records`` (the paper's): records are Poisson-sampled at rate ``q``, ``B = q n``
+  records. A subject with ``k`` records here is in the batch with probability
+  ``1 - (1-q)^k``, so a silo's heaviest subjects are sampled almost every step.
+- ``subjects`` (HiGradAvgDP only; beyond the paper): the silo's *subjects* are
+  Poisson-sampled at rate ``q``, and each sampled subject contributes
+  ``records_per_subject`` of its records here, drawn uniformly without replacement
+  (all of them if it has fewer, or if ``records_per_subject = 0``). Every subject is
+  then in the batch with probability exactly ``q`` whatever its record count, and
+  ``B = q u`` is the expected number of subjects (``u`` subjects at the silo).
+  The sum of per-subject means still moves by at most ``C`` per subject.
+
 All parameters are shared in this setting (the silos' models are averaged). The
 noise comes from :class:`GaussianSumMechanism`, the object the accounting reads.
 """
@@ -42,6 +55,7 @@ from .dp_sgd import UnitBatch, clipped_unit_sum
 from .plain import record_losses
 
 METHODS = ("fedavg", "local-item-dp", "higradavg-dp", "local-group-dp", "user-ldp")
+SAMPLING = ("records", "subjects")
 PER_SAMPLE = ("local-item-dp", "higradavg-dp", "local-group-dp")
 
 
@@ -77,6 +91,10 @@ class SiloPlan:
     noise_multiplier: float = 0.0
     #: LocalGroupDP: group size Z -> sigma_Z (see :mod:`flwr_jdp.subject.group_privacy`)
     group_noise: Callable[[int], float] | None = None
+    #: ``records``: Poisson over records at ``sample_rate``; ``subjects``: Poisson over
+    #: the silo's subjects (HiGradAvgDP only), ``records_per_subject`` each (0 = all)
+    sampling: str = "records"
+    records_per_subject: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -85,6 +103,12 @@ class SiloPlan:
             raise ValueError(f"sample rate must be in (0, 1], got {self.sample_rate}")
         if self.method == "local-group-dp" and self.group_noise is None:
             raise ValueError("local-group-dp needs group_noise")
+        if self.sampling not in SAMPLING:
+            raise ValueError(f"sampling must be one of {SAMPLING}, got {self.sampling!r}")
+        if self.sampling == "subjects" and self.method != "higradavg-dp":
+            raise ValueError("sampling = subjects is for higradavg-dp only")
+        if self.records_per_subject < 0:
+            raise ValueError(f"records_per_subject must be >= 0, got {self.records_per_subject}")
 
 
 @dataclass
@@ -99,6 +123,29 @@ class BatchStats:
 def poisson_records(n: int, rate: float, generator: torch.Generator) -> torch.Tensor:
     """Indices of a Poisson(``rate``) sample of ``n`` records."""
     return torch.nonzero(torch.rand(n, generator=generator) < rate, as_tuple=False).flatten()
+
+
+def poisson_subjects(subjects: torch.Tensor, rate: float, records_per_subject: int,
+                     generator: torch.Generator) -> torch.Tensor:
+    """Indices of the records of a Poisson(``rate``) sample of the subjects in
+    ``subjects`` (the subject of each record): each subject is kept independently
+    with probability ``rate`` and brings ``records_per_subject`` of its records,
+    drawn uniformly without replacement (all if it has fewer; 0 = all)."""
+    n = len(subjects)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long)
+    ids, unit = torch.unique(subjects, return_inverse=True)
+    chosen = torch.rand(len(ids), generator=generator) < rate
+    keep = chosen[unit]
+    if records_per_subject > 0:
+        perm = torch.randperm(n, generator=generator)  # a uniform order within each subject
+        order = perm[torch.sort(unit[perm], stable=True).indices]
+        counts = torch.bincount(unit[order], minlength=len(ids))
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty(n, dtype=torch.long)
+        rank[order] = torch.arange(n) - torch.repeat_interleave(starts, counts)
+        keep &= rank < records_per_subject
+    return torch.nonzero(keep, as_tuple=False).flatten()
 
 
 def subject_batch(records: torch.Tensor, subjects: torch.Tensor) -> UnitBatch:
@@ -137,13 +184,16 @@ def train_silo_round(model: nn.Module, data: SiloData, plan: SiloPlan, generator
     mean training loss (local diagnostics only, never sent)."""
     stats = stats if stats is not None else BatchStats()
     n = len(data)
-    expected = plan.sample_rate * n
+    by_subjects = plan.sampling == "subjects"
+    units = int(torch.unique(data.subject).numel()) if by_subjects else n
+    expected = plan.sample_rate * units  # public: fixed by the plan and the silo's size
     net = GradSampleModule(model, loss_reduction="sum") if plan.method in PER_SAMPLE else model
     params = [p for p in net.parameters() if p.requires_grad]
     net.train()
     losses = []
     for _ in range(plan.steps):
-        records = poisson_records(n, plan.sample_rate, generator)
+        records = (poisson_subjects(data.subject, plan.sample_rate, plan.records_per_subject, generator)
+                   if by_subjects else poisson_records(n, plan.sample_rate, generator))
         by_subject = subject_batch(records, data.subject)
         stats.group_sizes.append(group_size(by_subject))
         stats.distinct_subjects.append(by_subject.num_units)
