@@ -130,7 +130,10 @@ def poisson_subjects(subjects: torch.Tensor, rate: float, records_per_subject: i
     """Indices of the records of a Poisson(``rate``) sample of the subjects in
     ``subjects`` (the subject of each record): each subject is kept independently
     with probability ``rate`` and brings ``records_per_subject`` of its records,
-    drawn uniformly without replacement (all if it has fewer; 0 = all)."""
+    drawn uniformly without replacement (all if it has fewer; 0 = all). The
+    records are the first ones of each subject in one uniform permutation of the
+    silo: the relative order of one subject's records in it is uniform and
+    independent of the other subjects', as the accounting's proof requires."""
     n = len(subjects)
     if n == 0:
         return torch.zeros(0, dtype=torch.long)
