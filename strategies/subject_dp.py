@@ -52,7 +52,7 @@ from flwr_jdp.privacy.events import dp_sgd
 from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.subject.config import SubjectDPConfig
-from flwr_jdp.subject.plan import SubjectPlan, make_plan
+from flwr_jdp.subject.plan import SubjectPlan, accounting_counts, make_plan
 
 from .checkpoint import Checkpoint
 
@@ -140,8 +140,8 @@ class SubjectLevelFedAvg:
                     for i, q in enumerate(plan.sample_rates)}
         rel = [SiloRelease(q, plan.noise_multiplier, cfg.local_steps, sampling=cfg.sampling)
                for q in plan.sample_rates]
-        acc = HorizontalAccountant(self.counts, cfg.delta, self.accountant)
-        return {f"subject/{a}": acc.subject_event(self.counts[a], rel, 1) for a in acc.candidates}
+        acc = HorizontalAccountant(accounting_counts(cfg, self.counts), cfg.delta, self.accountant)
+        return {f"subject/{a}": acc.subject_event(acc.counts[a], rel, 1) for a in acc.candidates}
 
     # ----------------------------------------------------------------- rounds
     def _train_messages(self, server_round: int) -> list[Message]:

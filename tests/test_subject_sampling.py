@@ -15,7 +15,7 @@ from flwr_jdp.config import ConfigError
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
 from flwr_jdp.subject.config import SubjectDPConfig, parse_subject_config
-from flwr_jdp.subject.plan import make_plan, silo_rates
+from flwr_jdp.subject.plan import accounting_counts, make_plan, silo_rates
 from flwr_jdp.training import subject_level
 from flwr_jdp.training.subject_level import SiloData, SiloPlan, poisson_subjects, train_silo_round
 
@@ -160,3 +160,10 @@ def test_run_samples_subjects_at_the_rates_the_ledger_records(tmp_path, femnist_
             assert isinstance(step, dpa.SelfComposedDpEvent) and step.count == cfg.local_steps
             assert isinstance(step.event, dpa.PoissonSampledDpEvent)
             assert any(step.event.sampling_probability == pytest.approx(r) for r in rates)
+
+
+def test_accounting_reduces_counts_to_presence_only_under_subject_sampling() -> None:
+    counts = np.array([[0, 3, 1], [7, 0, 2]])
+    subj = SubjectDPConfig(sampling="subjects")
+    assert (accounting_counts(subj, counts) == (counts > 0)).all()
+    assert accounting_counts(SubjectDPConfig(), counts) is counts

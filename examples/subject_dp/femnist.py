@@ -53,6 +53,9 @@ RUNS: dict[str, dict] = {
     # beyond the paper: Poisson over each silo's subjects (batch-size = expected subjects,
     # one record each), so every writer is amplified by the same rate whatever its count
     "higradavg-subject-sampling": {"method": "higradavg-dp", "accounting": "exact", "sampling": "subjects"},
+    # the same with fewer expected subjects per batch (these runs ignore --batch-size)
+    **{f"higradavg-subject-sampling-b{b}": {"method": "higradavg-dp", "accounting": "exact",
+                                            "sampling": "subjects", "batch-size": b} for b in (64, 128)},
     "local-group-dp": {"method": "local-group-dp", "accounting": "scaled-steps"},
     "user-ldp": {"method": "user-ldp", "accounting": "exact"},
 }

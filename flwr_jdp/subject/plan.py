@@ -80,6 +80,13 @@ def silo_rates(cfg: SubjectDPConfig, counts: np.ndarray) -> tuple[float, ...]:
     return sample_rates(counts.sum(axis=0), cfg.batch_size)
 
 
+def accounting_counts(cfg: SubjectDPConfig, counts: np.ndarray) -> np.ndarray:
+    """The subject-to-silo counts the accountant needs: with ``sampling = subjects`` a
+    subject's epsilon depends only on which silos hold it, so the counts are reduced
+    to presence (0/1). The epsilon is the same; far fewer distinct rows are composed."""
+    return (counts > 0).astype(np.int64) if cfg.sampling == "subjects" else counts
+
+
 def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld") -> SubjectPlan:
     """Calibrate (or take) the noise and fix the rounds for ``cfg`` on ``counts``."""
     s = counts.shape[1]
@@ -98,7 +105,7 @@ def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld")
         return SubjectPlan(z, R, rates, steps * R, "record", eps, nan, target)
     if cfg.method == "local-group-dp":
         return SubjectPlan(0.0, rounds, rates, cal_steps, "subject (group DP, claimed)", nan, nan, target)
-    acc = HorizontalAccountant(counts, delta, accountant)
+    acc = HorizontalAccountant(accounting_counts(cfg, counts), delta, accountant)
     if cfg.noise_multiplier > 0:
         z = cfg.noise_multiplier
     elif cfg.inclusion == "record":  # the paper's accounting: record rate q per silo
