@@ -155,7 +155,9 @@ def test_run_samples_subjects_at_the_rates_the_ledger_records(tmp_path, femnist_
     assert all(r == pytest.approx(min(1.0, 8 / u)) for r, u in seen)
     assert out["ledger_epsilon"] <= 4.0 * (1 + 1e-6)
     assert out["ledger_epsilon"] == pytest.approx(out["plan"]["epsilon"], rel=1e-6)
-    for ev in strategy.round_events().values():
+    events = strategy.round_events()
+    assert events  # one scope per Pareto-maximal subject
+    for ev in events.values():
         steps = ev.events if isinstance(ev, dpa.ComposedDpEvent) else [ev]
         for step in steps:
             assert isinstance(step, dpa.SelfComposedDpEvent) and step.count == cfg.local_steps

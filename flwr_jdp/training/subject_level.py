@@ -51,7 +51,7 @@ from opacus import GradSampleModule
 from torch import nn
 
 from ..privacy.mechanisms import GaussianSumMechanism, clip_coefficients
-from .dp_sgd import UnitBatch, clipped_unit_sum
+from .dp_sgd import UnitBatch, clipped_unit_sum, poisson_sample
 from .plain import record_losses
 
 METHODS = ("fedavg", "local-item-dp", "higradavg-dp", "local-group-dp", "user-ldp")
@@ -138,8 +138,7 @@ def poisson_subjects(subjects: torch.Tensor, rate: float, records_per_subject: i
     if n == 0:
         return torch.zeros(0, dtype=torch.long)
     ids, unit = torch.unique(subjects, return_inverse=True)
-    chosen = torch.rand(len(ids), generator=generator) < rate
-    keep = chosen[unit]
+    records = poisson_sample(unit, len(ids), rate, generator).records
     if records_per_subject > 0:
         perm = torch.randperm(n, generator=generator)  # a uniform order within each subject
         order = perm[torch.sort(unit[perm], stable=True).indices]
@@ -147,8 +146,8 @@ def poisson_subjects(subjects: torch.Tensor, rate: float, records_per_subject: i
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.empty(n, dtype=torch.long)
         rank[order] = torch.arange(n) - torch.repeat_interleave(starts, counts)
-        keep &= rank < records_per_subject
-    return torch.nonzero(keep, as_tuple=False).flatten()
+        records = records[rank[records] < records_per_subject]
+    return records
 
 
 def subject_batch(records: torch.Tensor, subjects: torch.Tensor) -> UnitBatch:
