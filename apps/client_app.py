@@ -23,7 +23,7 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 
 from flwr_jdp import protocol
-from flwr_jdp.training import OwnerPlan, evaluate, fit_personal, train_owner_round
+from flwr_jdp.training import OwnerPlan, adapted_model, evaluate, fit_personal, train_owner_round
 
 from .owner_state import (
     load_owner_model,
@@ -105,7 +105,13 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate_owners(msg: Message, context: Context) -> Message:
     """Each requested owner evaluates its own model (shared + personal) on its own
-    test split. Evaluation metrics are not covered by the DP guarantee."""
+    test split. Evaluation metrics are not covered by the DP guarantee.
+
+    With ``finetune-epochs`` > 0 (joint DP) the model evaluated after the last round
+    (``num-rounds``) is a copy adapted to the owner's own training records
+    (:func:`adapted_model`); it is discarded after evaluation, so nothing the owner
+    stores or sends depends on it. Earlier rounds evaluate the unadapted model
+    (adapting every owner every round would multiply the cost of a run)."""
     torch.set_num_threads(1)
     cfg = node_job_config(context)
     shared = msg.content[protocol.SHARED]
@@ -120,6 +126,8 @@ def evaluate_owners(msg: Message, context: Context) -> Message:
             # The owner's model is the broadcast plus personal parameters fitted on it.
             fit_personal(model, split, data[o], cfg, owner_generator(cfg, -server_round, o))
             save_personal(context, o, model, split, session, fit_on=digest, count_round=False)
+        if cfg.finetune_epochs > 0 and server_round >= cfg.num_rounds:
+            model = adapted_model(model, data[o], cfg, owner_generator(cfg, -server_round - 10**6, o))
         loss, acc = evaluate(model, data[o].x_test, data[o].y_test)
         reply[protocol.metrics_key(o)] = MetricRecord(
             {protocol.NUM_EXAMPLES: len(data[o].y_test), protocol.ACCURACY: acc, protocol.LOSS: loss,

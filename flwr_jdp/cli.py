@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="user level (--records-per-user > 1): expected users per DP batch "
                      "(default 0: as many users as fill the method's batch of records; choose it on "
                      "validation with examples/joint_dp/tune.py --user-batch-sizes)")
+    jdp.add_argument("--finetune-epochs", type=int, default=0,
+                     help="joint-dp: epochs of plain SGD on all layers over the owner's own records that "
+                     "adapt each owner's model before evaluation (never sent; 0 = none)")
+    jdp.add_argument("--finetune-learning-rate", type=float, default=0.05,
+                     help="learning rate of that adaptation")
     jdp.add_argument("--supernodes", type=_positive(int), default=2,
                      help="simulated SuperNodes; the owners are spread over them")
     jdp.add_argument("--local-epochs", type=_positive(int), default=None, help="default: paper Table 3")
@@ -113,7 +118,8 @@ def _reproduce(args: argparse.Namespace) -> int:
         cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon,
                     args.records_per_user, args.personal, args.coupling,
                     personal_lr=args.personal_learning_rate or 0.0, ema_decay=args.ema_decay,
-                    user_batch=args.user_batch_size)
+                    user_batch=args.user_batch_size, finetune_epochs=args.finetune_epochs,
+                    finetune_lr=args.finetune_learning_rate)
     except ValueError as err:
         print(f"flwr-jdp reproduce: {err}", file=sys.stderr)
         return 2

@@ -27,7 +27,8 @@ PLACEMENTS = tuple(p.value for p in NoisePlacement)
 
 #: Run-config keys added after results were committed, with the value every
 #: earlier run used: a stored config without the key equals one with it at this value.
-ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0}
+ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0, "finetune-epochs": 0,
+                              "finetune-learning-rate": 0.05}
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
@@ -53,6 +54,13 @@ class JobConfig:
     personal_learning_rate: float = 0.1
     server_learning_rate: float = 1.0
     ema_decay: float = 0.0
+    #: Joint DP only: before it is evaluated after the last round, each owner's model
+    #: (broadcast shared + personal parameters) is adapted to the owner's own training
+    #: records by this many epochs of plain SGD on *all* parameters (0 = none). The
+    #: adapted copy is the owner's own model: it is never stored or sent, so it costs
+    #: no privacy.
+    finetune_epochs: int = 0
+    finetune_learning_rate: float = 0.05
     personal_layers: str = r"^fc1\."
     personal_coupling: str = "decoupled"
     privacy_unit: str = "record"
@@ -194,6 +202,12 @@ def validate(cfg: JobConfig) -> None:
         need(finite(name) and getattr(cfg, name) > 0, name, "> 0 and finite")
     need(finite("ema_decay") and 0 <= cfg.ema_decay < 1, "ema_decay",
          "in [0, 1) (0 = evaluate the last aggregate; no privacy cost either way)")
+    need(cfg.finetune_epochs >= 0, "finetune_epochs", ">= 0 epochs (0 = evaluate without adapting)")
+    need(cfg.finetune_epochs == 0 or cfg.method == "joint-dp", "finetune_epochs",
+         "0 unless method = 'joint-dp' (an adapted model uses its owner's data without noise, "
+         "which only joint DP allows)")
+    need(finite("finetune_learning_rate") and cfg.finetune_learning_rate > 0, "finetune_learning_rate",
+         "> 0 and finite")
     need(cfg.privacy_unit in UNITS, "privacy_unit", f"one of {UNITS}")
     need(cfg.records_per_user >= 1, "records_per_user", ">= 1")
     need(finite("user_batch_size") and cfg.user_batch_size >= 0, "user_batch_size",

@@ -231,9 +231,9 @@ def test_table1_joint_dp_cell_is_fc1_personal_and_other_rules_get_their_own_tabl
     assert line.split(" | ")[5] == "0.7100 ± 0.0000 (1)"  # joint-DP local: the FC1 row
     lines = report.personal_rule_table(rules, t1).splitlines()
     # 44,724 parameters in all, 28,938 of them personal under this rule
-    assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
+    assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | none | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
             "| 0.7000 ± 0.0000 (1) |  |") in lines
-    assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | 0.5000") and "not run" in x
+    assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | none | 0.5000") and "not run" in x
                for x in lines)
     assert len(lines) == 2 + 2
 
@@ -253,13 +253,31 @@ def test_validation_chosen_personal_lr_and_moving_average_get_their_own_line_pai
           {k: str(v) for k, v in _row(Cell("fashion-mnist", 256, "joint-dp"), 0.71).items()}]
     assert report.cell_of(row) == tuned
     lines = report.personal_rule_table([row], t1, tmp_path).splitlines()
-    assert lines[2] == ("| 256 | local | fc1 | 29,034 | 0.2 | 0.8 | 0.7500 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
+    assert lines[2] == ("| 256 | local | fc1 | 29,034 | 0.2 | 0.8 | none | 0.7500 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
                         "| 0.7000 ± 0.0000 (1) | +0.0500 ± 0.0000 (1 of 1 seeds above) |")
     # the tuned row never replaces Table 1's FC1 cell
     assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"
     # nor is it a Figure 1 point (or Table 4's record-level fallback)
     assert not report._figure_point(row, 256, "joint-dp", "local")
     assert report._figure_point(t1[1], 256, "joint-dp", "local")
+
+
+def test_adapted_cell_gets_its_own_line_and_round_trips_through_its_row(tmp_path):
+    """A cell adapted before evaluation (finetune columns) is read back as the same
+    cell, listed with its adaptation, and never taken for Table 1's FC1 cell."""
+    report = _report()
+    adapted = Cell("fashion-mnist", 256, "joint-dp", "local", 1.0, finetune_epochs=20, finetune_lr=0.02)
+    silo = Cell("fashion-mnist", 256, "per-silo", "local", 1.0)
+    row = {k: str(v) for k, v in dict(_row(adapted, 0.75), finetune_epochs="20",
+                                      finetune_learning_rate="0.02").items()}
+    assert report.cell_of(row) == adapted and adapted.name.endswith("-ft20-ftlr0.02")
+    assert report.cell_of(dict(row, finetune_epochs="0", finetune_learning_rate="-")) == Cell(
+        "fashion-mnist", 256, "joint-dp", "local", 1.0)
+    t1 = [{k: str(v) for k, v in _row(silo, 0.70).items()},
+          {k: str(v) for k, v in _row(Cell("fashion-mnist", 256, "joint-dp"), 0.71).items()}]
+    line = report.personal_rule_table([row], t1).splitlines()[2]
+    assert line.startswith("| 256 | local | fc1 | 29,034 | 0.05 | 0 | 20 epochs at 0.02 | 0.7500")
+    assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"
 
 
 def test_rule_minus_per_silo_is_paired_by_seed_over_the_seeds_both_rows_average(tmp_path):

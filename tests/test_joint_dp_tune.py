@@ -35,7 +35,9 @@ def test_old_table_gains_the_clipping_norm_its_runs_used(tmp_path):
     assert [r["clipping_norm"] for r in rows] == ["1", ""]  # HPARAMS: C = 1 for DP cells
     assert [r["ema_decay"] for r in rows] == ["0", "0"]  # no moving average before the key
     assert [(r["records_per_user"], r["user_batch_size"]) for r in rows] == [("1", "0")] * 2  # record level
-    assert table.read_text().splitlines()[0].endswith(",clipping_norm,ema_decay,records_per_user,user_batch_size")
+    assert [(r["finetune_epochs"], r["finetune_learning_rate"]) for r in rows] == [("0", "-")] * 2  # none
+    assert table.read_text().splitlines()[0].endswith(",clipping_norm,ema_decay,records_per_user,user_batch_size,"
+                                                      "finetune_epochs,finetune_learning_rate")
     assert read_rows(table) == rows and tune.upgrade_table(table) == rows  # idempotent
 
 
@@ -84,13 +86,29 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
     assert _main(tune, monkeypatch, *common, "--records-per-user", "10", "--user-batch-sizes", "32") == 0
     assert calls == []
 
+    # adaptation before evaluation: (epochs, rate) pairs; epochs 0 is one point, already run
+    calls.clear()
+    assert _main(tune, monkeypatch, *common, "--finetune-epochs", "0", "20",
+                 "--finetune-learning-rates", "0.02", "0.05") == 0
+    assert [c[0] for c in calls] == ["lr0.05-plr0.05-ft20-ftlr0.02", "lr0.05-plr0.05-ft20-ftlr0.05"]
+    assert calls[0][2] == {"learning-rate": 0.05, "personal-learning-rate": 0.05, "finetune-epochs": 20,
+                           "finetune-learning-rate": 0.02}
+    assert [(r["finetune_epochs"], r["finetune_learning_rate"]) for r in read_rows(tmp_path / "tuning.csv")[-2:]] == [
+        ("20", "0.02"), ("20", "0.05")]
+    calls.clear()
+    assert _main(tune, monkeypatch, *common, "--finetune-epochs", "20", "--finetune-learning-rates", "0.02") == 0
+    assert calls == []
+
 
 @pytest.mark.parametrize("args", [("--method", "fedavg", "--clipping-norms", "1"),
                                   ("--method", "joint-dp", "--clipping-norms", "0"),
                                   ("--method", "joint-dp", "--ema-decays", "1"),
                                   ("--method", "joint-dp", "--user-batch-sizes", "32"),
                                   ("--method", "fedavg", "--user-batch-sizes", "32", "--records-per-user", "2"),
-                                  ("--method", "joint-dp", "--user-batch-sizes", "-1", "--records-per-user", "2")])
+                                  ("--method", "joint-dp", "--user-batch-sizes", "-1", "--records-per-user", "2"),
+                                  ("--method", "full-dp", "--finetune-epochs", "5"),
+                                  ("--method", "joint-dp", "--finetune-epochs", "-1"),
+                                  ("--method", "joint-dp", "--finetune-learning-rates", "0")])
 def test_bad_grid_values_fail_at_start(tmp_path, monkeypatch, capsys, args):
     tune = _tune()
     with pytest.raises(SystemExit):

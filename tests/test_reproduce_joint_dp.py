@@ -149,6 +149,22 @@ def test_a_user_batch_names_its_own_runs_and_reaches_the_run_config(tmp_path):
         Cell("fashion-mnist", 4, "fedavg", records_per_user=10, user_batch=32)
 
 
+def test_an_adapted_cell_names_its_own_runs_and_reaches_the_run_config(tmp_path):
+    base = Cell("fashion-mnist", 256, "joint-dp")
+    adapted = Cell("fashion-mnist", 256, "joint-dp", finetune_epochs=20, finetune_lr=0.02)
+    assert adapted.name == base.name + "-ft20-ftlr0.02"
+    cfg = parse_config(run_config(adapted, 0, "/data", str(tmp_path)))
+    assert (cfg.finetune_epochs, cfg.finetune_learning_rate) == (20, 0.02)
+    plain = parse_config(run_config(base, 0, "/data", str(tmp_path)))
+    assert plain.finetune_epochs == 0
+    assert Cell("fashion-mnist", 256, "joint-dp", finetune_lr=0.3) == base  # no epochs: the rate is unused
+    for bad, option in (({"method": "full-dp", "finetune_epochs": 5}, "--finetune-epochs applies to joint-dp"),
+                        ({"finetune_epochs": -1}, "--finetune-epochs"),
+                        ({"finetune_epochs": 5, "finetune_lr": 0.0}, "--finetune-learning-rate")):
+        with pytest.raises(ValueError, match=option):
+            Cell("fashion-mnist", 256, **{"method": "joint-dp", **bad})
+
+
 def test_a_seed_stored_before_ema_decay_and_user_batch_existed_is_still_reused(tmp_path, monkeypatch):
     import json
 
@@ -181,8 +197,8 @@ def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path
                      "digits,4,joint-dp,local,8.0,1,0.5,0.0,1,fc1,1,2,3.0,decoupled\n"
                      "digits,4,fedavg,-,inf,1,0.7,0.0,1,fc1,1,2,3.0,-\n")
     rows = upgrade_table(table)
-    assert [(r["personal_learning_rate"], r["ema_decay"], r["user_batch_size"]) for r in rows] == [
-        ("0.05", "0", "0"), ("0.05", "0", "0")]
+    assert [(r["personal_learning_rate"], r["ema_decay"], r["user_batch_size"], r["finetune_epochs"],
+             r["finetune_learning_rate"]) for r in rows] == [("0.05", "0", "0", "0", "-")] * 2
     assert read_rows(table) == rows and upgrade_table(table) == rows  # idempotent
     # a finished cell whose row is already there (in the old format) is not appended again
     cell = Cell("digits", 4, "joint-dp", "local", 8.0)

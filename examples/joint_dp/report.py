@@ -58,40 +58,48 @@ def _rule(row: dict[str, str]) -> str:
 
 def _overridden(row: dict[str, str]) -> bool:
     """True for a row run with a validation-chosen personal learning rate, moving
-    average or user batch (not a Table 1 cell)."""
+    average, user batch or adaptation before evaluation (not a Table 1 cell)."""
     cell = cell_of(row)
-    return bool(cell.personal_lr or cell.ema_decay or cell.user_batch)
+    return bool(cell.personal_lr or cell.ema_decay or cell.user_batch or cell.finetune_epochs)
 
 
-def _settings(row: dict[str, str]) -> tuple[str, float, float]:
-    """(personal rule, personal learning rate, EMA decay) of a row; rows written before
-    the last two columns existed ran at the HPARAMS personal learning rate, no EMA."""
+def _settings(row: dict[str, str]) -> tuple[str, float, float, int, float]:
+    """(personal rule, personal learning rate, EMA decay, adaptation epochs and rate) of
+    a row; rows written before those columns existed ran at the HPARAMS personal
+    learning rate, no EMA, no adaptation."""
     cell = cell_of(row)
-    return (cell.personal, cell.personal_learning_rate, cell.ema_decay)
+    return (cell.personal, cell.personal_learning_rate, cell.ema_decay, cell.finetune_epochs,
+            cell.finetune_lr)
+
+
+def _finetune_text(epochs: int, lr: float) -> str:
+    return f"{epochs} epochs at {lr:g}" if epochs else "none"
 
 
 def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]],
                         runs: Path | None = None) -> str:
     """Joint DP at epsilon = 1 with settings chosen on validation
     (``table1_personal.csv``): a personal-layer rule other than Table 1's FC1, a
-    personal learning rate, a moving average of the evaluated shared model. One
+    personal learning rate, a moving average of the evaluated shared model, an
+    adaptation of each owner's evaluated model to its own records. One
     line per (n, trust, settings), beside Table 1's FC1 cell of the same n and trust
     and Table 1's per-silo cell; the latest row of each wins. With ``runs``, the last
     column is these settings minus per-silo paired by seed (``paired_difference``)."""
     total = sum(_seed_cnn_sizes().values())
-    lines = ["| n | trust | personal | shared params | personal lr | EMA decay | joint DP, these settings "
+    lines = ["| n | trust | personal | shared params | personal lr | EMA decay | adapted before evaluation "
+             "| joint DP, these settings "
              "| joint DP, FC1 personal (Table 1) | per-silo (Table 1) | these settings − per-silo, paired by seed |",
-             "|" + "---|" * 10]
+             "|" + "---|" * 11]
     rows = [r for r in rows if r["method"] == "joint-dp" and float(r["epsilon"]) == 1.0]
     t1_fc1 = [r for r in t1_rows if float(r["epsilon"]) == 1.0 and _rule(r) == "fc1"]
     for n, trust, settings in sorted({(int(r["owners"]), r["trust"], _settings(r)) for r in rows}):
-        rule, plr, decay = settings
+        rule, plr, decay, ft, ftlr = settings
         cells = [_latest([r for r in rows if _settings(r) == settings], owners=str(n), trust=trust),
                  _latest(t1_fc1, owners=str(n), method="joint-dp", trust=trust),
                  _latest(t1_rows, owners=str(n), method="per-silo")]
         paired = paired_difference(runs, cells[0], cells[2]) if runs and cells[0] and cells[2] else ""
         lines.append(f"| {n} | {trust} | {rule} | {total - personal_parameter_count(rule):,} | {plr:g} | {decay:g} | "
-                     + " | ".join(_fmt(c) if c else "not run" for c in cells) + f" | {paired} |")
+                     f"{_finetune_text(ft, ftlr)} | " + " | ".join(_fmt(c) if c else "not run" for c in cells) + f" | {paired} |")
     return "\n".join(lines)
 
 
@@ -133,7 +141,9 @@ def cell_of(row: dict[str, str]) -> Cell:
                 (row.get("coupling") or "decoupled") if row["method"] == "joint-dp" else "decoupled",
                 personal_lr=float(row.get("personal_learning_rate") or 0.0),
                 ema_decay=float(row.get("ema_decay") or 0.0),
-                user_batch=float(row.get("user_batch_size") or 0.0))
+                user_batch=float(row.get("user_batch_size") or 0.0),
+                finetune_epochs=int(row.get("finetune_epochs") or 0),
+                finetune_lr=float(ftlr) if (ftlr := row.get("finetune_learning_rate") or "-") != "-" else 0.05)
 
 
 def run_seconds(runs: Path, cell: Cell) -> list[float]:
@@ -410,7 +420,8 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
 
 
 #: Values an empty tuning-table cell stands for (rows from before the column existed).
-_TUNING_DEFAULTS = {"ema_decay": "0", "records_per_user": "1", "user_batch_size": "0"}
+_TUNING_DEFAULTS = {"ema_decay": "0", "records_per_user": "1", "user_batch_size": "0", "finetune_epochs": "0",
+                    "finetune_learning_rate": "-"}
 
 
 def main() -> int:
@@ -456,7 +467,7 @@ def main() -> int:
         keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
                 "validation_fraction",
                 "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
-                "user_batch_size", "noise_multiplier", "final_epsilon")
+                "user_batch_size", "finetune_epochs", "finetune_learning_rate", "noise_multiplier", "final_epsilon")
         lines = ["| " + " | ".join(keys) + " | validation accuracy |", "|" + "---|" * (len(keys) + 1)]
         lines += ["| " + " | ".join(r.get(k) or _TUNING_DEFAULTS.get(k, "") for k in keys)
                   + f" | {float(r['val_acc']):.4f} |" for r in tuning]

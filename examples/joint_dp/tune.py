@@ -19,8 +19,12 @@ evaluated with (run-config ``ema-decay``; post-processing, z and epsilon unchang
 ``--records-per-user 10 --user-batch-sizes 3.2 32`` tunes a user-level cell (m/r
 records per user) over the expected users per DP batch (run-config
 ``user-batch-size``; z is recalibrated to the same epsilon for each).
+``--finetune-epochs 10 20 --finetune-learning-rates 0.02 0.05`` (joint DP) adds the
+epochs and learning rate of the plain SGD, on all layers over each owner's own
+training records, that adapts the owner's model before it is evaluated (run-config
+``finetune-epochs``; the adapted copy is never sent, so z and epsilon are unchanged).
 The grid is the product of the learning rates, personal learning rates, clipping
-norms, decays and user batches.
+norms, decays, user batches and adaptations.
 
 Appends one row per grid point to ``results/joint_dp/tuning.csv`` (points already
 there are skipped) and prints the best point.
@@ -34,32 +38,39 @@ import sys
 import time
 from pathlib import Path
 
-from flwr_jdp.reproduce.joint_dp import Cell, append_row, run_seed
+from flwr_jdp.reproduce.joint_dp import Cell, append_row, finetune_columns, run_seed
 from flwr_jdp.reproduce.joint_dp import upgrade_table as upgrade_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
            "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
            "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay", "records_per_user",
-           "user_batch_size")
+           "user_batch_size", "finetune_epochs", "finetune_learning_rate")
 
 
 def _added_columns(r: dict[str, str]) -> dict[str, str]:
     """The columns a tuning table written before them lacks, at the value its runs
     used: the clipping norm of :data:`HPARAMS` (empty for a cell without DP), no
     moving average (``ema_decay`` 0), the record level (``records_per_user`` 1, so
-    ``user_batch_size`` 0)."""
+    ``user_batch_size`` 0), no adaptation before evaluation (``finetune_epochs`` 0)."""
     old = Cell(r["dataset"], int(r["owners"]), r["method"],
                r["trust"] if r["trust"] != "-" else "local",
                float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
     return {"clipping_norm": f"{old.hparams['clipping-norm']:g}" if old.dp else "", "ema_decay": "0",
-            "records_per_user": "1", "user_batch_size": "0"}
+            "records_per_user": "1", "user_batch_size": "0", **finetune_columns(0, 0.0)}
 
 
 def upgrade_table(table: Path) -> list[dict[str, str]]:
     """Rows of ``table``, rewritten first with any column of :data:`COLUMNS` it lacks
     (``_added_columns``)."""
     return upgrade_rows(table, COLUMNS, _added_columns)
+
+
+def _seconds(res: dict, t0: float) -> float:
+    """Wall seconds of a grid point: the recorded time of a reused finished run, else
+    the time since ``t0``."""
+    timing = res.get("timing") or {}
+    return float(timing["seconds"]) if timing.get("reused") else time.time() - t0
 
 
 def main() -> int:
@@ -85,6 +96,11 @@ def main() -> int:
     parser.add_argument("--user-batch-sizes", type=float, nargs="*", default=[],
                         help="expected users per DP batch to try, user-level DP cells only "
                         "(run-config user-batch-size; default 0 = batch-size / m/r)")
+    parser.add_argument("--finetune-epochs", type=int, nargs="*", default=[],
+                        help="adaptation epochs to try, joint-dp only (run-config finetune-epochs; "
+                        "default 0 = none)")
+    parser.add_argument("--finetune-learning-rates", type=float, nargs="*", default=[],
+                        help="adaptation learning rates to try (default 0.05)")
     parser.add_argument("--validation-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--supernodes", type=int, default=2)
@@ -107,28 +123,40 @@ def main() -> int:
         parser.error(f"--clipping-norms must be > 0, got {args.clipping_norms}")
     if any(not 0 <= b < 1 for b in args.ema_decays):
         parser.error(f"--ema-decays must be in [0, 1), got {args.ema_decays}")
+    if any(e < 0 for e in args.finetune_epochs):
+        parser.error(f"--finetune-epochs must be >= 0, got {args.finetune_epochs}")
+    if any(e > 0 for e in args.finetune_epochs) and cell.method != "joint-dp":
+        parser.error("--finetune-epochs applies to joint-dp only")
+    if any(not lr > 0 for lr in args.finetune_learning_rates):
+        parser.error(f"--finetune-learning-rates must be > 0, got {args.finetune_learning_rates}")
     base = cell.hparams
     personal_lrs = args.personal_learning_rates or [base["personal-learning-rate"]]
     clips = args.clipping_norms or ([base["clipping-norm"]] if cell.dp else [None])
     decays = args.ema_decays or [0.0]
     user_batches = args.user_batch_sizes or [0.0]
+    # (epochs, rate) pairs; without adaptation the rate is unused, so one point
+    adaptations = sorted({(e, lr if e else 0.0) for e in (args.finetune_epochs or [0])
+                          for lr in (args.finetune_learning_rates or [0.05])})
     mr = str(cell.records_per_user)
     table = Path(args.out) / "tuning.csv"
     work = Path(args.out) / "tuning_runs"
     rows = upgrade_table(table)
-    for lr, plr, clip, decay, ub in itertools.product(args.learning_rates, personal_lrs, clips, decays,
-                                                      user_batches):
+    for lr, plr, clip, decay, ub, (ft, ftlr) in itertools.product(
+            args.learning_rates, personal_lrs, clips, decays, user_batches, adaptations):
+        ft_cols = finetune_columns(ft, ftlr)
         clip_txt = f"{clip:g}" if clip is not None else ""
         point = (f"lr={lr:g} personal lr={plr:g}" + (f" C={clip_txt}" if clip_txt else "")
                  + (f" ema-decay={decay:g}" if decay else "")
-                 + (f" m/r={mr}" if mr != "1" else "") + (f" user-batch={ub:g}" if ub else ""))
+                 + (f" m/r={mr}" if mr != "1" else "") + (f" user-batch={ub:g}" if ub else "")
+                 + (f" finetune={ft} epochs at {ftlr:g}" if ft else ""))
         key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
                f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}", clip_txt,
-               f"{decay:g}", mr, f"{ub:g}")
+               f"{decay:g}", mr, f"{ub:g}", ft_cols["finetune_epochs"], ft_cols["finetune_learning_rate"])
         if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"], r["personal_layers"],
                 r["learning_rate"], r["personal_learning_rate"], r["clipping_norm"],
                 r.get("ema_decay") or "0", r.get("records_per_user") or "1",
-                r.get("user_batch_size") or "0") == key for r in rows):
+                r.get("user_batch_size") or "0", r.get("finetune_epochs") or "0",
+                r.get("finetune_learning_rate") or "-") == key for r in rows):
             print(f"skip {point} (in {table.name})", flush=True)
             continue
         extra = {"learning-rate": lr, "personal-learning-rate": plr}
@@ -142,6 +170,9 @@ def main() -> int:
         if ub:
             extra["user-batch-size"] = ub
             run_dir += f"-ub{ub:g}"
+        if ft:
+            extra.update({"finetune-epochs": ft, "finetune-learning-rate": ftlr})
+            run_dir += f"-ft{ft}-ftlr{ftlr:g}"
         t0 = time.time()
         res = run_seed(cell, args.seed, args.data_dir, work / run_dir, args.supernodes,
                        validation_fraction=args.validation_fraction, extra=extra)
@@ -152,7 +183,7 @@ def main() -> int:
                                  res.get("noise_multiplier", 0.0),
                                  round(float(res.get("final_epsilon", 0.0)), 4),
                                  round(float(res["final_accuracy"]), 4),
-                                 round(time.time() - t0, 1), clip_txt, *key[9:]), strict=True))
+                                 round(_seconds(res, t0), 1), clip_txt, *key[9:]), strict=True))
         append_row(table, row, COLUMNS)
         rows.append({k: str(v) for k, v in row.items()})
         print(f"{point}: validation accuracy {row['val_acc']:.4f} "
@@ -166,6 +197,8 @@ def main() -> int:
           + (f" C={best['clipping_norm']}" if best["clipping_norm"] else "")
           + (f" ema-decay={best['ema_decay']}" if best.get("ema_decay", "0") != "0" else "")
           + (f" user-batch={best['user_batch_size']}" if best.get("user_batch_size", "0") != "0" else "")
+          + (f" finetune={best['finetune_epochs']} epochs at {best['finetune_learning_rate']}"
+             if best.get("finetune_epochs", "0") != "0" else "")
           + f" -> {float(best['val_acc']):.4f}", flush=True)
     return 0
 

@@ -39,7 +39,9 @@ of single runs); and at n = 4, m/r = 10 (user level) the users per DP batch (32 
 joint DP under local noise, 64 for full DP under central noise, against 3.2 by default),
 in ``results/joint_dp/tuning.csv``. A cell's ``personal_lr``,
 ``ema_decay`` and ``user_batch`` (users per DP batch at the user level, run-config
-``user-batch-size``) override :data:`HPARAMS` for settings chosen that way.
+``user-batch-size``) override :data:`HPARAMS` for settings chosen that way, and its
+``finetune_epochs`` and ``finetune_lr`` (joint DP only) adapt each owner's evaluated
+model to the owner's own records (run-config ``finetune-epochs``).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
 TRUST = ("local", "central")
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "seeds", "acc_mean", "acc_std",
            "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds", "coupling",
-           "personal_learning_rate", "ema_decay", "user_batch_size")
+           "personal_learning_rate", "ema_decay", "user_batch_size", "finetune_epochs",
+           "finetune_learning_rate")
 COUPLINGS = ("decoupled", "interleaved")
 
 #: The paper's Table 3: n -> (local epochs E, global rounds T).
@@ -126,6 +129,12 @@ class Cell:
     #: User unit only: expected users per DP batch (run-config ``user-batch-size``;
     #: 0 = as many users as fill the HPARAMS batch of records).
     user_batch: float = 0.0
+    #: Joint DP only: epochs of plain SGD on all layers, over the owner's own training
+    #: records, that adapt each owner's model before it is evaluated (run-config
+    #: ``finetune-epochs``; 0 = none), and their learning rate
+    #: (``finetune-learning-rate``). The adapted copy is never sent: no privacy cost.
+    finetune_epochs: int = 0
+    finetune_lr: float = 0.05
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -151,6 +160,15 @@ class Cell:
         if self.user_batch and (self.records_per_user == 1 or not self.dp):
             raise ValueError("--user-batch-size applies to DP cells at the user level "
                              "(--records-per-user > 1) only")
+        if self.finetune_epochs < 0:
+            raise ValueError(f"--finetune-epochs must be >= 0, got {self.finetune_epochs}")
+        if self.finetune_epochs and self.method != "joint-dp":
+            raise ValueError("--finetune-epochs applies to joint-dp only (an adapted model uses its "
+                             "owner's data without noise, which only joint DP allows)")
+        if not (self.finetune_lr > 0 and math.isfinite(self.finetune_lr)):
+            raise ValueError(f"--finetune-learning-rate must be > 0, got {self.finetune_lr}")
+        if not self.finetune_epochs:
+            object.__setattr__(self, "finetune_lr", 0.05)  # unused: one cell whatever was given
         if self.personal_lr == self.hparams["personal-learning-rate"]:
             object.__setattr__(self, "personal_lr", 0.0)  # the default spelt out: same cell
 
@@ -176,7 +194,8 @@ class Cell:
                 + ("-interleaved" if self.method == "joint-dp" and self.coupling == "interleaved" else "")
                 + (f"-plr{self.personal_lr:g}" if self.personal_lr else "")
                 + (f"-ema{self.ema_decay:g}" if self.ema_decay else "")
-                + (f"-ub{self.user_batch:g}" if self.user_batch else ""))
+                + (f"-ub{self.user_batch:g}" if self.user_batch else "")
+                + (f"-ft{self.finetune_epochs}-ftlr{self.finetune_lr:g}" if self.finetune_epochs else ""))
 
 
 def schedule_for(owners: int) -> tuple[int, int]:
@@ -223,6 +242,9 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
         cfg["ema-decay"] = cell.ema_decay
     if cell.user_batch:
         cfg["user-batch-size"] = cell.user_batch
+    if cell.finetune_epochs:
+        cfg["finetune-epochs"] = cell.finetune_epochs
+        cfg["finetune-learning-rate"] = cell.finetune_lr
     cfg.update(extra or {})
     parse_config(cfg)  # fail early with the key's name
     return cfg
@@ -291,13 +313,19 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
         "seconds": round(seconds, 1),
         "coupling": cell.coupling if cell.method == "joint-dp" else "-",
         "personal_learning_rate": f"{cell.personal_learning_rate:g}", "ema_decay": f"{cell.ema_decay:g}",
-        "user_batch_size": f"{cell.user_batch:g}",
+        "user_batch_size": f"{cell.user_batch:g}", **finetune_columns(cell.finetune_epochs, cell.finetune_lr),
     }
     if {k: str(row.get(k, "")) for k in COLUMNS} in upgrade_table(out / table):
         print(f"[{cell.name}] every seed reused: {table} already holds this row", flush=True)
     else:
         append_row(out / table, row)
     return row
+
+
+def finetune_columns(epochs: int, lr: float) -> dict[str, str]:
+    """The ``finetune_epochs`` and ``finetune_learning_rate`` columns of a row
+    (``0`` and ``-`` without adaptation)."""
+    return {"finetune_epochs": str(epochs), "finetune_learning_rate": f"{lr:g}" if epochs else "-"}
 
 
 def append_row(path: Path, row: dict[str, Any], columns: tuple[str, ...] = COLUMNS) -> None:
@@ -314,9 +342,10 @@ def append_row(path: Path, row: dict[str, Any], columns: tuple[str, ...] = COLUM
 def _columns_added_since(row: dict[str, str]) -> dict[str, str]:
     """Values of the :data:`COLUMNS` added after the first tables were written, at
     what those rows' runs used: the HPARAMS personal learning rate, no moving average,
-    the default user batch (``user_batch_size`` 0)."""
+    the default user batch (``user_batch_size`` 0), no adaptation before evaluation."""
     plr = hparams_for(row["method"], row.get("trust", ""))["personal-learning-rate"]
-    return {"personal_learning_rate": f"{plr:g}", "ema_decay": "0", "user_batch_size": "0"}
+    return {"personal_learning_rate": f"{plr:g}", "ema_decay": "0", "user_batch_size": "0",
+            **finetune_columns(0, 0.0)}
 
 
 def upgrade_table(path: Path, columns: tuple[str, ...] = COLUMNS,
@@ -347,5 +376,5 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
 
 
 __all__ = ["COLUMNS", "Cell", "HPARAMS", "METHODS", "PAPER_SCHEDULE", "PERSONAL_RULES",
-           "TRUST", "append_row", "hparams_for", "read_rows", "run_cell", "run_config", "run_seed", "schedule_for",
+           "TRUST", "append_row", "finetune_columns", "hparams_for", "read_rows", "run_cell", "run_config", "run_seed", "schedule_for",
            "upgrade_table"]

@@ -97,6 +97,25 @@ def fit_personal(model: nn.Module, split: ParamSplit, data: OwnerData, cfg: JobC
                        generator=generator)
 
 
+def adapted_model(model: nn.Module, data: OwnerData, cfg: JobConfig,
+                  generator: torch.Generator) -> nn.Module:
+    """The owner's evaluated model under ``finetune-epochs`` > 0: a copy of ``model``
+    (broadcast shared + personal parameters) after ``finetune-epochs`` epochs of plain
+    SGD on *all* its parameters over the owner's training records, at
+    ``finetune-learning-rate``; ``model`` itself is not changed.
+
+    Joint DP (unit: one record of another owner): the copy is a function of the
+    broadcast, which is DP, and of this owner's own data, which joint DP lets the
+    owner's own model use freely. It is never stored in ``context.state`` and never
+    sent, so no release depends on it and the ledger records nothing for it.
+    """
+    out = copy.deepcopy(model)
+    if cfg.finetune_epochs > 0:
+        train_plain(out, list(out.parameters()), data.x_train, data.y_train, epochs=cfg.finetune_epochs,
+                    batch_size=cfg.batch_size, lr=cfg.finetune_learning_rate, generator=generator)
+    return out
+
+
 def release_model(model: nn.Module, split: ParamSplit,
                   public_personal: dict[str, np.ndarray]) -> nn.Module:
     """A copy of ``model`` whose personal parameters hold the public values
