@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "validation with examples/joint_dp/tune.py --user-batch-sizes)")
     jdp.add_argument("--finetune-epochs", type=int, default=0,
                      help="joint-dp: epochs of plain SGD on all layers over the owner's own records that "
-                     "adapt each owner's model before evaluation (never sent; 0 = none)")
+                     "adapt each owner's model after the last round, before it is evaluated (never "
+                     "sent, no privacy cost; 0 = none)")
     jdp.add_argument("--finetune-learning-rate", type=float, default=0.05,
                      help="learning rate of that adaptation")
     jdp.add_argument("--supernodes", type=_positive(int), default=2,

@@ -86,7 +86,7 @@ def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]
     and Table 1's per-silo cell; the latest row of each wins. With ``runs``, the last
     column is these settings minus per-silo paired by seed (``paired_difference``)."""
     total = sum(_seed_cnn_sizes().values())
-    lines = ["| n | trust | personal | shared params | personal lr | EMA decay | adapted before evaluation "
+    lines = ["| n | trust | personal | shared params | personal lr | EMA decay | adapted after the last round "
              "| joint DP, these settings "
              "| joint DP, FC1 personal (Table 1) | per-silo (Table 1) | these settings − per-silo, paired by seed |",
              "|" + "---|" * 11]
@@ -455,7 +455,8 @@ def main() -> int:
     rule_rows = read_rows(res / "table1_personal.csv")
     if rule_rows:
         parts += ["### Joint DP with settings chosen on validation (more layers personal, personal "
-                  "learning rate, moving average; ε = 1, δ = 1e-4; `tuning.csv`)",
+                  "learning rate, moving average, adaptation to the owner's records; ε = 1, δ = 1e-4; "
+                  "`tuning.csv`)",
                   personal_rule_table(rule_rows, t1, res / "runs")]
     inter = read_rows(res / "table1_interleaved.csv")
     if inter:

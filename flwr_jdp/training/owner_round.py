@@ -101,8 +101,8 @@ def adapted_model(model: nn.Module, data: OwnerData, cfg: JobConfig,
                   generator: torch.Generator) -> nn.Module:
     """The owner's evaluated model under ``finetune-epochs`` > 0: a copy of ``model``
     (broadcast shared + personal parameters) after ``finetune-epochs`` epochs of plain
-    SGD on *all* its parameters over the owner's training records, at
-    ``finetune-learning-rate``; ``model`` itself is not changed.
+    SGD on *all* its parameters over the owner's training records, in batches of
+    ``batch-size`` at ``finetune-learning-rate``; ``model`` itself is not changed.
 
     Joint DP (unit: one record of another owner): the copy is a function of the
     broadcast, which is DP, and of this owner's own data, which joint DP lets the
