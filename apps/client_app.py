@@ -39,6 +39,10 @@ from .owner_state import (
     trained_rounds,
 )
 
+#: Offset of the adaptation's randomness stream from the rounds' streams (training uses
+#: round r, fitting personal layers at evaluation -r), so no stream is reused.
+_ADAPTATION_STREAM = 10**6
+
 app = ClientApp()
 
 
@@ -127,7 +131,7 @@ def evaluate_owners(msg: Message, context: Context) -> Message:
             fit_personal(model, split, data[o], cfg, owner_generator(cfg, -server_round, o))
             save_personal(context, o, model, split, session, fit_on=digest, count_round=False)
         if cfg.finetune_epochs > 0 and server_round >= cfg.num_rounds:
-            model = adapted_model(model, data[o], cfg, owner_generator(cfg, -server_round - 10**6, o))
+            model = adapted_model(model, data[o], cfg, owner_generator(cfg, -server_round - _ADAPTATION_STREAM, o))
         loss, acc = evaluate(model, data[o].x_test, data[o].y_test)
         reply[protocol.metrics_key(o)] = MetricRecord(
             {protocol.NUM_EXAMPLES: len(data[o].y_test), protocol.ACCURACY: acc, protocol.LOSS: loss,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import FINETUNE_LEARNING_RATE
 from .privacy import events as ev
 from .privacy.accountants import ACCOUNTANTS, epsilon
 from .privacy.calibration import calibrate
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="joint-dp: epochs of plain SGD on all layers over the owner's own records that "
                      "adapt each owner's model after the last round, before it is evaluated (never "
                      "sent, no privacy cost; 0 = none)")
-    jdp.add_argument("--finetune-learning-rate", type=float, default=0.05,
+    jdp.add_argument("--finetune-learning-rate", type=float, default=FINETUNE_LEARNING_RATE,
                      help="learning rate of that adaptation")
     jdp.add_argument("--supernodes", type=_positive(int), default=2,
                      help="simulated SuperNodes; the owners are spread over them")

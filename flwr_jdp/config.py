@@ -25,10 +25,14 @@ UNITS = tuple(u.value for u in PrivacyUnit if u is not PrivacyUnit.SUBJECT)
 PLACEMENTS = tuple(p.value for p in NoisePlacement)
 
 
+#: Default ``finetune-learning-rate`` (the per-silo learning rate of the joint-DP
+#: reproduction); the one value every module uses.
+FINETUNE_LEARNING_RATE = 0.05
+
 #: Run-config keys added after results were committed, with the value every
 #: earlier run used: a stored config without the key equals one with it at this value.
 ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0, "finetune-epochs": 0,
-                              "finetune-learning-rate": 0.05}
+                              "finetune-learning-rate": FINETUNE_LEARNING_RATE}
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +64,7 @@ class JobConfig:
     #: adapted copy is the owner's own model: it is never stored or sent, so it costs
     #: no privacy.
     finetune_epochs: int = 0
-    finetune_learning_rate: float = 0.05
+    finetune_learning_rate: float = FINETUNE_LEARNING_RATE
     personal_layers: str = r"^fc1\."
     personal_coupling: str = "decoupled"
     privacy_unit: str = "record"

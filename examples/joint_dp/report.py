@@ -21,6 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from flwr_jdp.config import FINETUNE_LEARNING_RATE
 from flwr_jdp.models.seed_cnn import SeedCNN
 from flwr_jdp.reproduce.joint_dp import PERSONAL_RULES, Cell, read_rows
 
@@ -143,7 +144,8 @@ def cell_of(row: dict[str, str]) -> Cell:
                 ema_decay=float(row.get("ema_decay") or 0.0),
                 user_batch=float(row.get("user_batch_size") or 0.0),
                 finetune_epochs=int(row.get("finetune_epochs") or 0),
-                finetune_lr=float(ftlr) if (ftlr := row.get("finetune_learning_rate") or "-") != "-" else 0.05)
+                finetune_lr=float(ftlr) if (ftlr := row.get("finetune_learning_rate") or "-") != "-"
+                else FINETUNE_LEARNING_RATE)
 
 
 def run_seconds(runs: Path, cell: Cell) -> list[float]:

@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from flwr_jdp.config import FINETUNE_LEARNING_RATE
 from flwr_jdp.reproduce.joint_dp import Cell, append_row, finetune_columns, run_seed
 from flwr_jdp.reproduce.joint_dp import upgrade_table as upgrade_rows
 
@@ -100,7 +101,7 @@ def main() -> int:
                         help="adaptation epochs to try, joint-dp only (run-config finetune-epochs; "
                         "default 0 = none)")
     parser.add_argument("--finetune-learning-rates", type=float, nargs="*", default=[],
-                        help="adaptation learning rates to try (default 0.05)")
+                        help=f"adaptation learning rates to try (default {FINETUNE_LEARNING_RATE:g})")
     parser.add_argument("--validation-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--supernodes", type=int, default=2)
@@ -136,7 +137,7 @@ def main() -> int:
     user_batches = args.user_batch_sizes or [0.0]
     # (epochs, rate) pairs; without adaptation the rate is unused, so one point
     adaptations = sorted({(e, lr if e else 0.0) for e in (args.finetune_epochs or [0])
-                          for lr in (args.finetune_learning_rates or [0.05])})
+                          for lr in (args.finetune_learning_rates or [FINETUNE_LEARNING_RATE])})
     mr = str(cell.records_per_user)
     table = Path(args.out) / "tuning.csv"
     work = Path(args.out) / "tuning_runs"

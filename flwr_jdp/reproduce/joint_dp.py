@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import comparable, parse_config
+from ..config import FINETUNE_LEARNING_RATE, comparable, parse_config
 
 METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
 TRUST = ("local", "central")
@@ -136,7 +136,7 @@ class Cell:
     #: ``finetune-epochs``; 0 = none), and their learning rate
     #: (``finetune-learning-rate``). The adapted copy is never sent: no privacy cost.
     finetune_epochs: int = 0
-    finetune_lr: float = 0.05
+    finetune_lr: float = FINETUNE_LEARNING_RATE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -170,7 +170,7 @@ class Cell:
         if not (self.finetune_lr > 0 and math.isfinite(self.finetune_lr)):
             raise ValueError(f"--finetune-learning-rate must be > 0, got {self.finetune_lr}")
         if not self.finetune_epochs:
-            object.__setattr__(self, "finetune_lr", 0.05)  # unused: one cell whatever was given
+            object.__setattr__(self, "finetune_lr", FINETUNE_LEARNING_RATE)  # unused: one cell whatever was given
         if self.personal_lr == self.hparams["personal-learning-rate"]:
             object.__setattr__(self, "personal_lr", 0.0)  # the default spelt out: same cell
 
