@@ -7,7 +7,7 @@ import pytest
 from scipy.stats import norm
 
 from flwr_jdp.privacy import events as ev
-from flwr_jdp.privacy.accountants import epsilon
+from flwr_jdp.privacy.accountants import epsilon, screened_max_epsilon
 from flwr_jdp.privacy.calibration import calibrate
 from flwr_jdp.privacy.ledger import PrivacyLedger, owner_scope
 
@@ -91,6 +91,32 @@ def test_event_json_round_trip():
     assert ev.from_dict(ev.to_dict(event)) == event
 
 
+def _named_tuple_dict(value):
+    """dp-accounting's own serialisation (``to_named_tuple``) as a dict, without
+    ``module_name``: the format ledgers have always been written in."""
+    if hasattr(value, "_fields") and "class_name" in value._fields:
+        return {f: _named_tuple_dict(getattr(value, f)) for f in value._fields if f != "module_name"}
+    if isinstance(value, (list, tuple)):
+        return [_named_tuple_dict(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("event", [
+    ev.gaussian(1.3),
+    ev.dp_sgd(0.9, 0.01, 7),
+    dpa.LaplaceDpEvent(0.5),
+    dpa.NoOpDpEvent(),
+    dpa.ComposedDpEvent([ev.dp_sgd(1.0, 0.3, 4), dpa.SelfComposedDpEvent(
+        dpa.ComposedDpEvent([ev.gaussian(2.0), dpa.PoissonSampledDpEvent(0.2, dpa.LaplaceDpEvent(1.0))]), 3)]),
+    dpa.SampledWithoutReplacementDpEvent(100, 10, ev.gaussian(1.0)),
+])
+def test_event_codec_writes_dp_accountings_named_tuple_format(event):
+    """The codec builds the dict from the attrs fields directly; it must equal
+    dp-accounting's ``to_named_tuple`` form, so ledgers saved before still merge."""
+    assert ev.to_dict(event) == _named_tuple_dict(event.to_named_tuple())
+    assert ev.from_dict(ev.to_dict(event)) == event
+
+
 def test_screened_epsilon_equals_max_over_all_scopes():
     """With many distinct scopes the ledger skips scopes by their RDP bound; the
     result must still be the maximum of every scope's own PLD epsilon."""
@@ -105,6 +131,24 @@ def test_screened_epsilon_equals_max_over_all_scopes():
     fresh = PrivacyLedger(delta=1e-5, accountant="pld", unit="subject")
     fresh.scopes = ledger.scopes
     assert fresh.epsilon() == brute
+
+
+def test_screened_max_settles_few_events_and_finds_the_maximum():
+    """Per-subject events as in subject sampling: each subject composes the releases
+    of the silos that hold it (incomparable silo sets). The screened maximum must
+    equal the brute-force maximum and its argmax, with far fewer ledger-grid PLDs."""
+    import numpy as np
+
+    rates = [0.05 + 0.03 * i for i in range(8)]
+    rng = np.random.default_rng(0)
+    sets = {tuple(sorted(rng.choice(8, size=4, replace=False))) for _ in range(40)}
+    events = [ev.compose([ev.dp_sgd(3.0, rates[i], 40) for i in s]) for s in sorted(sets)]
+    brute = [epsilon(e, 1e-5, "pld") for e in events]
+    value, arg, exact = screened_max_epsilon(events, 1e-5)
+    assert value == max(brute) and brute[arg] == value
+    assert exact[arg] == value and len(exact) < len(events) / 4
+    # a floor at or above every event's epsilon settles nothing and returns the floor
+    assert screened_max_epsilon(events, 1e-5, floor=max(brute) + 1.0) == (max(brute) + 1.0, -1, {})
 
 
 def test_pld_calibration_is_settled_on_the_ledger_grid():

@@ -145,3 +145,49 @@ def _cached_epsilon(event_json: str, delta: float, accountant: str,
         return 0.0
     value = float(total.get_epsilon_for_delta(delta))
     return value if math.isfinite(value) else math.inf
+
+
+def screened_max_epsilon(events: list[dpa.DpEvent], delta: float,
+                         floor: float = 0.0) -> tuple[float, int, dict[int, float]]:
+    """The largest PLD epsilon (add/remove, ledger grid) over many ``events``,
+    computing as few ledger-grid PLDs as possible (e.g. one event per subject).
+
+    Two cheaper upper bounds screen the events: the RDP epsilon, and the PLD
+    epsilon on the coarse grid :data:`PLD_COARSE_DISCRETIZATION` (pessimistic
+    discretisation, so also an upper bound on the true epsilon, and a tight one).
+    The event with the largest RDP bound is computed first; then the events whose
+    RDP bound exceeds the best value so far get a coarse PLD, and they are settled
+    on the ledger grid in decreasing order of it until the best value is at least
+    the next coarse bound. An event is skipped only when one of its upper bounds
+    is at most a value already attained (or ``floor``), so the result is at least
+    every event's true epsilon: a valid bound for all of them. It equals the
+    maximum of the ledger-grid epsilons whenever the bounds lie above them, as
+    they do here (RDP is looser than PLD; a coarser pessimistic grid rounds up).
+
+    Returns ``(value, index, exact)``: the maximum (``floor`` if no event
+    exceeds it), the index of an event attaining it (-1 if none), and the
+    ledger-grid epsilon of every event that was computed, by index.
+    """
+    best, arg, exact = float(floor), -1, {}
+
+    def settle(j: int) -> None:
+        nonlocal best, arg
+        exact[j] = epsilon(events[j], delta, "pld")
+        if exact[j] > best:
+            best, arg = exact[j], j
+
+    if len(events) <= 2:
+        for j in range(len(events)):
+            settle(j)
+        return best, arg, exact
+    rdp = [epsilon(e, delta, "rdp") for e in events]
+    order = sorted(range(len(events)), key=rdp.__getitem__, reverse=True)
+    if rdp[order[0]] > best:
+        settle(order[0])
+    coarse = {j: epsilon(events[j], delta, "pld", discretization=PLD_COARSE_DISCRETIZATION)
+              for j in order[1:] if rdp[j] > best}
+    for j in sorted(coarse, key=coarse.__getitem__, reverse=True):
+        if coarse[j] <= best:
+            break
+        settle(j)
+    return best, arg, exact

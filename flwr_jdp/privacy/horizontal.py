@@ -73,6 +73,7 @@ import dp_accounting as dpa
 import numpy as np
 
 from .accountants import epsilon as event_epsilon
+from .accountants import screened_max_epsilon
 from .calibration import calibrate
 from .events import compose as ev_compose
 
@@ -204,21 +205,13 @@ class HorizontalAccountant:
     def epsilon(self, releases: Sequence[SiloRelease], rounds: int) -> float:
         """Exact subject-level epsilon: the maximum over subjects.
 
-        Only Pareto-maximal count rows can attain it. They are visited in
-        decreasing order of their RDP epsilon (an upper bound on their PLD
-        epsilon); the search stops once the largest PLD epsilon found is at least
-        the next row's RDP epsilon, so the result equals the maximum of the
-        PLD epsilons over all subjects."""
-        events = [self.subject_event(self.counts[i], releases, rounds) for i in self.candidates]
-        if self.accountant == "rdp":
-            return max((self._eps(e) for e in events), default=0.0)
-        bounds = [event_epsilon(e, self.delta, "rdp") for e in events]
-        best = 0.0
-        for j in np.argsort(bounds)[::-1]:
-            if best >= bounds[j]:
-                break
-            best = max(best, self._eps(events[j]))
-        return best
+        Only Pareto-maximal count rows can attain it; with PLD they are screened
+        by cheaper upper bounds (:func:`~.accountants.screened_max_epsilon`), so
+        the result is a valid bound for every subject and equals the maximum of
+        the PLD epsilons over all subjects."""
+        if len(self.candidates) == 0:
+            return 0.0
+        return self.worst_subject(releases, rounds)[1]
 
     def s_fold_epsilon(self, releases: Sequence[SiloRelease], rounds: int) -> float:
         """Epsilon of the s-fold worst-case bound."""
@@ -259,15 +252,8 @@ class HorizontalAccountant:
             eps = [self._eps(e) for e in events]
             j = int(np.argmax(eps))
             return int(self.candidates[j]), float(eps[j])
-        bounds = [event_epsilon(e, self.delta, "rdp") for e in events]
-        best, arg = -1.0, 0
-        for j in np.argsort(bounds)[::-1]:
-            if best >= bounds[j]:
-                break
-            e = self._eps(events[j])
-            if e > best:
-                best, arg = e, int(j)
-        return int(self.candidates[arg]), float(best)
+        best, j, _ = screened_max_epsilon(events, self.delta)
+        return int(self.candidates[max(j, 0)]), float(best)
 
     def _calibrate_exact(self, target_epsilon: float, rounds: int, releases_of: callable) -> float:
         """Calibrate to the worst subject, then verify against every subject.

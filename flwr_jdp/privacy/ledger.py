@@ -32,7 +32,7 @@ from typing import Any
 import dp_accounting as dpa
 
 from . import events as ev
-from .accountants import check_accountant, check_relation, epsilon
+from .accountants import check_accountant, check_relation, epsilon, screened_max_epsilon
 
 SERVER_SCOPE = "server"
 
@@ -137,12 +137,13 @@ class PrivacyLedger:
 
         Scopes with the same history (e.g. owners of equal size) are accounted once.
         With many distinct scopes (e.g. one per subject) and the PLD accountant
-        under add/remove, scopes are visited in decreasing order of their RDP
-        epsilon, an upper bound on their true epsilon, and the search stops once
-        the largest PLD epsilon found is at least the next RDP bound: every skipped
-        scope's true epsilon is at most the returned value, which is therefore a
-        valid bound for all scopes (and equals the maximum PLD epsilon whenever
-        PLD is the tighter of the two, as it is for Gaussian releases)."""
+        under add/remove, scopes are screened by two upper bounds on their true
+        epsilon, RDP and a coarse-grid PLD
+        (:func:`~flwr_jdp.privacy.accountants.screened_max_epsilon`): a scope is
+        skipped only when a bound is at most a value already attained, so the
+        result is a valid bound for every scope (and equals the maximum PLD
+        epsilon whenever the bounds lie above it, as they do for Gaussian
+        releases)."""
         planned = planned or {}
         names = set(self.scopes) | set(planned)
         if not names:
@@ -156,16 +157,14 @@ class PrivacyLedger:
                 worst = max(worst, self._epsilon_cache[key])
             else:
                 todo[key] = history
-        events = {key: self._event_of(h) for key, h in todo.items()}
-        order = list(events)
-        bounds = dict.fromkeys(order, math.inf)
-        if len(order) > 2 and self.accountant == "pld" and self.neighbouring == "add-remove":
-            bounds = {key: epsilon(e, self.delta, "rdp") for key, e in events.items()}
-            order.sort(key=bounds.get, reverse=True)
-        for key in order:
-            if worst >= bounds[key]:
-                break
-            self._epsilon_cache[key] = epsilon(events[key], self.delta, self.accountant, self.neighbouring)
+        keys = list(todo)
+        events = [self._event_of(todo[key]) for key in keys]
+        if len(keys) > 2 and self.accountant == "pld" and self.neighbouring == "add-remove":
+            worst, _, exact = screened_max_epsilon(events, self.delta, floor=worst)
+            self._epsilon_cache.update({keys[j]: value for j, value in exact.items()})
+            return worst
+        for key, event in zip(keys, events):
+            self._epsilon_cache[key] = epsilon(event, self.delta, self.accountant, self.neighbouring)
             worst = max(worst, self._epsilon_cache[key])
         return worst
 
