@@ -55,3 +55,40 @@ def test_seeds_are_averaged_and_their_spread_reaches_the_alpha_sweep():
     assert agg[4.0]["seeds"] == 1 and agg[4.0]["acc_std"] == 0.0
     series = report.alpha_series(list(agg.values()))
     assert series["fedavg (lr 0.2)"][0] == (1.0, agg[1.0]["acc_mean"], agg[1.0]["acc_std"])
+
+
+def test_subject_batch_is_chosen_on_validation_and_reported_on_test():
+    """The batch with the best validation accuracy is chosen per alpha, whatever the
+    test accuracy says; its test seeds are averaged; other rates and methods are ignored."""
+    report = _report()
+
+    def doc(run, batch, alpha, acc, evaluate_on="test", seed=0, lr=0.1):
+        d = _doc(run, alpha, lr, acc, evaluate_on)
+        d["row"]["seed"] = seed
+        d["run_config"] = {"batch-size": batch}
+        return d
+
+    docs = [doc("higradavg-subject-sampling-b64", 64, 4.0, 0.30, "validation"),
+            doc("higradavg-subject-sampling", 256, 4.0, 0.20, "validation"),
+            doc("higradavg-subject-sampling", 256, 4.0, 0.99, "validation", lr=0.4),  # other rate
+            doc("higradavg-exact", 256, 4.0, 0.99, "validation"),  # other method
+            doc("higradavg-subject-sampling-b64", 64, 4.0, 0.10),  # test: worse, still chosen
+            doc("higradavg-subject-sampling-b64", 64, 4.0, 0.14, seed=1),
+            doc("higradavg-subject-sampling", 256, 4.0, 0.50),
+            doc("higradavg-subject-sampling", 256, 8.0, 0.25, "validation")]  # one batch: no choice
+    rows = report.batch_choice(docs)
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["alpha"], row["batch"], row["run"], row["test_seeds"]) == (4.0, 64, "higradavg-subject-sampling-b64", 2)
+    assert abs(row["test_mean"] - 0.12) < 1e-9 and row["validation"] == "64:0.3000 256:0.2000"
+
+
+def test_a_tie_on_validation_goes_to_the_larger_batch():
+    report = _report()
+    docs = []
+    for run, batch in [("higradavg-subject-sampling", 256), ("higradavg-subject-sampling-b128", 128)]:
+        d = _doc(run, 16.0, 0.1, 0.1181, "validation")
+        d["run_config"] = {"batch-size": batch}
+        docs.append(d)
+    for order in (docs, docs[::-1]):
+        assert report.batch_choice(order)[0]["batch"] == 256

@@ -9,7 +9,10 @@ are prefixed ``shakespeare_``):
 - ``accuracy_rounds.png``: test accuracy over rounds of every run at alpha = 1 (seed 0);
 - ``batch_histograms.png``: per batch, the largest number of records of one
   subject (group size Z) and the number of distinct subjects (paper Figure 2 c, d);
-- ``alpha_sweep.png``: final accuracy against alpha per run, when several alphas ran.
+- ``alpha_sweep.png``: final accuracy against alpha per run, when several alphas ran;
+- ``batch_choice.csv`` (FEMNIST): for subject-sampled HiGradAvgDP, the subject batch
+  chosen at each alpha by validation accuracy (seed 0, one learning rate), and the
+  test accuracy of the chosen batch.
 
 and prints the markdown table of the test-set rows, mean +- std over seeds.
 """
@@ -135,6 +138,57 @@ def plot_alpha(rows: list[dict], out: Path) -> bool:
     return True
 
 
+SUBJECT_SAMPLING = "higradavg-subject-sampling"
+
+
+def batch_choice(docs: list[dict], family: str = SUBJECT_SAMPLING, learning_rate: float = 0.1) -> list[dict]:
+    """Per alpha, the subject batch (``run_config["batch-size"]``) of the ``family`` run
+    with the best *validation* accuracy at ``learning_rate`` (seed 0), and the test
+    accuracy (mean +- std over seeds) of that run at that alpha. Test accuracy
+    plays no part in the choice; a tie goes to the larger batch (where every silo
+    holds fewer subjects than both batches, both run the same mechanism, q = 1).
+    Alphas with fewer than two validated batches are left out (nothing was chosen
+    there)."""
+    val: dict[float, dict[int, dict]] = {}
+    test: dict[tuple[str, float], list[float]] = {}
+    for doc in docs:
+        row = doc["row"]
+        if not (row["run"].startswith(family) and abs(float(row["learning_rate"]) - learning_rate) < 1e-12):
+            continue
+        alpha = float(row["alpha"])
+        if row["evaluate_on"] == "validation" and int(row.get("seed") or 0) == 0:
+            val.setdefault(alpha, {})[int(doc["run_config"]["batch-size"])] = row
+        elif row["evaluate_on"] == "test":
+            test.setdefault((row["run"], alpha), []).append(float(row["acc_final"]))
+    out = []
+    for alpha, by_batch in sorted(val.items()):
+        if len(by_batch) < 2:
+            continue
+        batch = max(by_batch, key=lambda b: (float(by_batch[b]["acc_final"]), b))  # tie: the larger batch
+        chosen = by_batch[batch]
+        accs = test.get((chosen["run"], alpha), [])
+        out.append({
+            "alpha": alpha, "learning_rate": learning_rate,
+            "validation": " ".join(f"{b}:{float(by_batch[b]['acc_final']):.4f}" for b in sorted(by_batch)),
+            "batch": batch, "run": chosen["run"], "noise_multiplier": chosen["noise_multiplier"],
+            "test_seeds": len(accs),
+            "test_mean": round(statistics.fmean(accs), 4) if accs else "",
+            "test_std": round(statistics.stdev(accs), 4) if len(accs) > 1 else ("" if not accs else 0.0),
+        })
+    return out
+
+
+def write_batch_choice(folder: Path, out: Path) -> list[dict]:
+    docs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    rows = batch_choice([d for d in docs if d.get("dataset", "femnist") == "femnist" and "run_config" in d])
+    if rows:
+        with out.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "results" / "subject_dp"))
@@ -148,6 +202,7 @@ def main() -> None:
     plot_accuracy(runs, folder / f"{prefix}accuracy_rounds.png", TITLES[args.dataset])
     plot_histograms(runs, folder / f"{prefix}batch_histograms.png", TITLES[args.dataset])
     plot_alpha(rows, folder / f"{prefix}alpha_sweep.png")
+    choice = write_batch_choice(folder / "runs", folder / "batch_choice.csv") if args.dataset == "femnist" else []
     cols = ["run", "alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "epsilon", "unit",
             "learning_rate", "seeds", "acc_final"]
     print("| " + " | ".join(cols) + " |")
@@ -162,6 +217,11 @@ def main() -> None:
             seen.add((name, alpha))
             mean = sum(k * v for k, v in hist.items()) / sum(hist.values())
             print(f"  {name} alpha={alpha:g}: {mean:.1f}, {max(hist)}")
+    if choice:
+        print("\nsubject batch chosen on validation (batch_choice.csv)")
+        for r in choice:
+            print(f"  alpha={r['alpha']:g}: validation {r['validation']} -> batch {r['batch']} (z {r['noise_multiplier']}), "
+                  f"test {r['test_mean']} +- {r['test_std']} ({r['test_seeds']} seeds)")
 
 
 if __name__ == "__main__":
