@@ -161,8 +161,10 @@ def screened_max_epsilon(events: list[dpa.DpEvent], delta: float,
     the next coarse bound. An event is skipped only when one of its upper bounds
     is at most a value already attained (or ``floor``), so the result is at least
     every event's true epsilon: a valid bound for all of them. It equals the
-    maximum of the ledger-grid epsilons whenever the bounds lie above them, as
-    they do here (RDP is looser than PLD; a coarser pessimistic grid rounds up).
+    maximum of the ledger-grid epsilons whenever the bounds lie above them. That
+    is expected (RDP is looser than PLD; a coarser pessimistic grid rounds up
+    more) and is what the tests check, but it is not proved; the guarantee
+    claimed is only the valid bound.
 
     Returns ``(value, index, exact)``: the maximum (``floor`` if no event
     exceeds it), the index of an event attaining it (-1 if none), and the

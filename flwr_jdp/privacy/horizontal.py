@@ -207,8 +207,9 @@ class HorizontalAccountant:
 
         Only Pareto-maximal count rows can attain it; with PLD they are screened
         by cheaper upper bounds (:func:`~.accountants.screened_max_epsilon`), so
-        the result is a valid bound for every subject and equals the maximum of
-        the PLD epsilons over all subjects."""
+        the result is a valid bound for every subject, and it equals the maximum
+        of the subjects' PLD epsilons whenever those bounds lie above them (as
+        they did in every check, e.g. ``tests/test_ledger.py``)."""
         if len(self.candidates) == 0:
             return 0.0
         return self.worst_subject(releases, rounds)[1]
