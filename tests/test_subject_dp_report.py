@@ -92,3 +92,34 @@ def test_a_tie_on_validation_goes_to_the_larger_batch():
         docs.append(d)
     for order in (docs, docs[::-1]):
         assert report.batch_choice(order)[0]["batch"] == 256
+
+
+def test_learning_rate_is_chosen_on_validation_at_the_chosen_batch():
+    """Stage two: at each alpha's chosen batch, the rate with the best validation
+    accuracy wins whatever test says; other batches' rates are ignored; an alpha with
+    one validated rate at its chosen batch is left out; a tie keeps the stage-one rate."""
+    report = _report()
+
+    def doc(run, batch, alpha, acc, lr, evaluate_on="validation", seed=0):
+        d = _doc(run, alpha, lr, acc, evaluate_on)
+        d["row"]["seed"] = seed
+        d["run_config"] = {"batch-size": batch}
+        return d
+
+    b128, b256 = "higradavg-subject-sampling-b128", "higradavg-subject-sampling"
+    docs = [doc(b128, 128, 4.0, 0.30, 0.1), doc(b256, 256, 4.0, 0.20, 0.1),  # batch 128 chosen
+            doc(b128, 128, 4.0, 0.35, 0.05), doc(b128, 128, 4.0, 0.25, 0.2),
+            doc(b256, 256, 4.0, 0.90, 0.2),  # another batch's rate: ignored
+            doc(b128, 128, 4.0, 0.10, 0.05, "test"), doc(b128, 128, 4.0, 0.12, 0.05, "test", seed=1),
+            doc(b128, 128, 4.0, 0.60, 0.2, "test"),  # test prefers 0.2: no say
+            doc(b128, 128, 8.0, 0.20, 0.1), doc(b256, 256, 8.0, 0.30, 0.1),  # batch 256 chosen
+            doc(b256, 256, 8.0, 0.30, 0.2),  # tie with the stage-one rate
+            doc(b128, 128, 1.0, 0.30, 0.1), doc(b256, 256, 1.0, 0.20, 0.1),
+            doc(b256, 256, 1.0, 0.50, 0.2)]  # alpha 1: one rate at the chosen 128
+    batches = report.batch_choice(docs)
+    assert [(r["alpha"], r["batch"]) for r in batches] == [(1.0, 128), (4.0, 128), (8.0, 256)]
+    rates = {r["alpha"]: r for r in report.learning_rate_choice(docs, batches)}
+    assert set(rates) == {4.0, 8.0}
+    assert (rates[4.0]["learning_rate"], rates[4.0]["test_seeds"]) == (0.05, 2)
+    assert abs(rates[4.0]["test_mean"] - 0.11) < 1e-9 and rates[4.0]["validation"] == "0.05:0.3500 0.1:0.3000 0.2:0.2500"
+    assert rates[8.0]["learning_rate"] == 0.1 and rates[8.0]["test_seeds"] == 0

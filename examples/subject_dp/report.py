@@ -12,7 +12,9 @@ are prefixed ``shakespeare_``):
 - ``alpha_sweep.png``: final accuracy against alpha per run, when several alphas ran;
 - ``batch_choice.csv`` (FEMNIST): for subject-sampled HiGradAvgDP, the subject batch
   chosen at each alpha by validation accuracy (seed 0, one learning rate), and the
-  test accuracy of the chosen batch.
+  test accuracy of the chosen batch;
+- ``learning_rate_choice.csv`` (FEMNIST): then, at the chosen batch, the learning rate
+  chosen at each alpha by validation accuracy, and its test accuracy.
 
 and prints the markdown table of the test-set rows, mean +- std over seeds.
 """
@@ -123,7 +125,7 @@ def plot_alpha(rows: list[dict], out: Path) -> bool:
     by_run = alpha_series(rows)
     if not by_run:
         return False
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     for name, pts in by_run.items():
         alphas, means, stds = zip(*pts)
         ax.errorbar(alphas, means, yerr=stds, marker="o", capsize=3, label=name)
@@ -131,7 +133,7 @@ def plot_alpha(rows: list[dict], out: Path) -> bool:
     ax.set_xlabel("alpha (power-law silo assignment)")
     ax.set_ylabel("final test accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center right", bbox_to_anchor=(1.0, 0.72))  # in the empty band
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the axes: no line hidden
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -178,15 +180,60 @@ def batch_choice(docs: list[dict], family: str = SUBJECT_SAMPLING, learning_rate
     return out
 
 
-def write_batch_choice(folder: Path, out: Path) -> list[dict]:
-    docs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    rows = batch_choice([d for d in docs if d.get("dataset", "femnist") == "femnist" and "run_config" in d])
+def learning_rate_choice(docs: list[dict], batch_rows: list[dict]) -> list[dict]:
+    """The second stage, after ``batch_choice``: per alpha, at the chosen subject batch
+    (the chosen run), the learning rate with the best *validation* accuracy (seed 0),
+    and the test accuracy (mean +- std over seeds) of that run at that rate. Test
+    accuracy plays no part in the choice; a tie goes to the rate the batch was chosen
+    at. Alphas where only one rate was validated at the chosen batch are left out."""
+    val: dict[float, dict[float, dict]] = {}
+    test: dict[tuple[str, float, float], list[float]] = {}
+    chosen = {r["alpha"]: r for r in batch_rows}
+    for doc in docs:
+        row = doc["row"]
+        alpha, lr = float(row["alpha"]), float(row["learning_rate"])
+        if alpha not in chosen or row["run"] != chosen[alpha]["run"]:
+            continue
+        if row["evaluate_on"] == "validation" and int(row.get("seed") or 0) == 0:
+            val.setdefault(alpha, {})[lr] = row
+        elif row["evaluate_on"] == "test":
+            test.setdefault((row["run"], alpha, lr), []).append(float(row["acc_final"]))
+    out = []
+    for alpha, by_lr in sorted(val.items()):
+        if len(by_lr) < 2:
+            continue
+        base = float(chosen[alpha]["learning_rate"])
+        lr = max(by_lr, key=lambda x: (float(by_lr[x]["acc_final"]), x == base))  # tie: the stage-one rate
+        run = chosen[alpha]["run"]
+        accs = test.get((run, alpha, lr), [])
+        out.append({
+            "alpha": alpha, "batch": chosen[alpha]["batch"], "run": run,
+            "validation": " ".join(f"{x:g}:{float(by_lr[x]['acc_final']):.4f}" for x in sorted(by_lr)),
+            "learning_rate": lr, "noise_multiplier": by_lr[lr]["noise_multiplier"],
+            "test_seeds": len(accs),
+            "test_mean": round(statistics.fmean(accs), 4) if accs else "",
+            "test_std": round(statistics.stdev(accs), 4) if len(accs) > 1 else ("" if not accs else 0.0),
+        })
+    return out
+
+
+def _write_csv(rows: list[dict], out: Path) -> None:
     if rows:
         with out.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-    return rows
+
+
+def write_choices(folder: Path, out_dir: Path) -> tuple[list[dict], list[dict]]:
+    """``batch_choice.csv`` and ``learning_rate_choice.csv`` from the FEMNIST run files."""
+    docs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    docs = [d for d in docs if d.get("dataset", "femnist") == "femnist" and "run_config" in d]
+    batches = batch_choice(docs)
+    rates = learning_rate_choice(docs, batches)
+    _write_csv(batches, out_dir / "batch_choice.csv")
+    _write_csv(rates, out_dir / "learning_rate_choice.csv")
+    return batches, rates
 
 
 def main() -> None:
@@ -202,7 +249,7 @@ def main() -> None:
     plot_accuracy(runs, folder / f"{prefix}accuracy_rounds.png", TITLES[args.dataset])
     plot_histograms(runs, folder / f"{prefix}batch_histograms.png", TITLES[args.dataset])
     plot_alpha(rows, folder / f"{prefix}alpha_sweep.png")
-    choice = write_batch_choice(folder / "runs", folder / "batch_choice.csv") if args.dataset == "femnist" else []
+    choice, rates = write_choices(folder / "runs", folder) if args.dataset == "femnist" else ([], [])
     cols = ["run", "alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "epsilon", "unit",
             "learning_rate", "seeds", "acc_final"]
     print("| " + " | ".join(cols) + " |")
@@ -221,6 +268,11 @@ def main() -> None:
         print("\nsubject batch chosen on validation (batch_choice.csv)")
         for r in choice:
             print(f"  alpha={r['alpha']:g}: validation {r['validation']} -> batch {r['batch']} (z {r['noise_multiplier']}), "
+                  f"test {r['test_mean']} +- {r['test_std']} ({r['test_seeds']} seeds)")
+    if rates:
+        print("\nlearning rate chosen on validation at the chosen batch (learning_rate_choice.csv)")
+        for r in rates:
+            print(f"  alpha={r['alpha']:g} batch {r['batch']}: validation {r['validation']} -> lr {r['learning_rate']:g}, "
                   f"test {r['test_mean']} +- {r['test_std']} ({r['test_seeds']} seeds)")
 
 
