@@ -20,6 +20,15 @@ def _doc(run: str, alpha: float, lr: float, acc: float, evaluate_on: str = "test
             "group_size_histogram": {"3": 2}, "distinct_subjects_histogram": {"100": 2}}
 
 
+def _sized_doc(run: str, batch: int, alpha: float, acc: float, lr: float,
+               evaluate_on: str = "validation", seed: int = 0) -> dict:
+    """A run file with its subject batch (``run_config["batch-size"]``) and seed."""
+    d = _doc(run, alpha, lr, acc, evaluate_on)
+    d["row"]["seed"] = seed
+    d["run_config"] = {"batch-size": batch}
+    return d
+
+
 def test_runs_at_two_learning_rates_are_both_kept(tmp_path):
     report = _report()
     for name, doc in {"h_alpha1.json": _doc("higradavg-exact", 1.0, 0.2, 0.10),
@@ -63,10 +72,7 @@ def test_subject_batch_is_chosen_on_validation_and_reported_on_test():
     report = _report()
 
     def doc(run, batch, alpha, acc, evaluate_on="test", seed=0, lr=0.1):
-        d = _doc(run, alpha, lr, acc, evaluate_on)
-        d["row"]["seed"] = seed
-        d["run_config"] = {"batch-size": batch}
-        return d
+        return _sized_doc(run, batch, alpha, acc, lr, evaluate_on, seed)
 
     docs = [doc("higradavg-subject-sampling-b64", 64, 4.0, 0.30, "validation"),
             doc("higradavg-subject-sampling", 256, 4.0, 0.20, "validation"),
@@ -85,11 +91,8 @@ def test_subject_batch_is_chosen_on_validation_and_reported_on_test():
 
 def test_a_tie_on_validation_goes_to_the_larger_batch():
     report = _report()
-    docs = []
-    for run, batch in [("higradavg-subject-sampling", 256), ("higradavg-subject-sampling-b128", 128)]:
-        d = _doc(run, 16.0, 0.1, 0.1181, "validation")
-        d["run_config"] = {"batch-size": batch}
-        docs.append(d)
+    docs = [_sized_doc(run, batch, 16.0, 0.1181, 0.1)
+            for run, batch in [("higradavg-subject-sampling", 256), ("higradavg-subject-sampling-b128", 128)]]
     for order in (docs, docs[::-1]):
         assert report.batch_choice(order)[0]["batch"] == 256
 
@@ -99,13 +102,7 @@ def test_learning_rate_is_chosen_on_validation_at_the_chosen_batch():
     accuracy wins whatever test says; other batches' rates are ignored; an alpha with
     one validated rate at its chosen batch is left out; a tie keeps the stage-one rate."""
     report = _report()
-
-    def doc(run, batch, alpha, acc, lr, evaluate_on="validation", seed=0):
-        d = _doc(run, alpha, lr, acc, evaluate_on)
-        d["row"]["seed"] = seed
-        d["run_config"] = {"batch-size": batch}
-        return d
-
+    doc = _sized_doc
     b128, b256 = "higradavg-subject-sampling-b128", "higradavg-subject-sampling"
     docs = [doc(b128, 128, 4.0, 0.30, 0.1), doc(b256, 256, 4.0, 0.20, 0.1),  # batch 128 chosen
             doc(b128, 128, 4.0, 0.35, 0.05), doc(b128, 128, 4.0, 0.25, 0.2),
@@ -123,3 +120,6 @@ def test_learning_rate_is_chosen_on_validation_at_the_chosen_batch():
     assert (rates[4.0]["learning_rate"], rates[4.0]["test_seeds"]) == (0.05, 2)
     assert abs(rates[4.0]["test_mean"] - 0.11) < 1e-9 and rates[4.0]["validation"] == "0.05:0.3500 0.1:0.3000 0.2:0.2500"
     assert rates[8.0]["learning_rate"] == 0.1 and rates[8.0]["test_seeds"] == 0
+    # the tie is decided by the rule, not by the order of the run files
+    rates_rev = {r["alpha"]: r for r in report.learning_rate_choice(docs[::-1], batches)}
+    assert rates_rev[8.0]["learning_rate"] == 0.1 and rates_rev[4.0]["learning_rate"] == 0.05

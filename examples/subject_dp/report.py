@@ -143,6 +143,13 @@ def plot_alpha(rows: list[dict], out: Path) -> bool:
 SUBJECT_SAMPLING = "higradavg-subject-sampling"
 
 
+def _test_summary(accs: list[float]) -> dict:
+    """The test accuracy of a chosen run: seeds, mean and sample std (blank when none ran)."""
+    return {"test_seeds": len(accs),
+            "test_mean": round(statistics.fmean(accs), 4) if accs else "",
+            "test_std": round(statistics.stdev(accs), 4) if len(accs) > 1 else ("" if not accs else 0.0)}
+
+
 def batch_choice(docs: list[dict], family: str = SUBJECT_SAMPLING, learning_rate: float = 0.1) -> list[dict]:
     """Per alpha, the subject batch (``run_config["batch-size"]``) of the ``family`` run
     with the best *validation* accuracy at ``learning_rate`` (seed 0), and the test
@@ -173,9 +180,7 @@ def batch_choice(docs: list[dict], family: str = SUBJECT_SAMPLING, learning_rate
             "alpha": alpha, "learning_rate": learning_rate,
             "validation": " ".join(f"{b}:{float(by_batch[b]['acc_final']):.4f}" for b in sorted(by_batch)),
             "batch": batch, "run": chosen["run"], "noise_multiplier": chosen["noise_multiplier"],
-            "test_seeds": len(accs),
-            "test_mean": round(statistics.fmean(accs), 4) if accs else "",
-            "test_std": round(statistics.stdev(accs), 4) if len(accs) > 1 else ("" if not accs else 0.0),
+            **_test_summary(accs),
         })
     return out
 
@@ -210,9 +215,7 @@ def learning_rate_choice(docs: list[dict], batch_rows: list[dict]) -> list[dict]
             "alpha": alpha, "batch": chosen[alpha]["batch"], "run": run,
             "validation": " ".join(f"{x:g}:{float(by_lr[x]['acc_final']):.4f}" for x in sorted(by_lr)),
             "learning_rate": lr, "noise_multiplier": by_lr[lr]["noise_multiplier"],
-            "test_seeds": len(accs),
-            "test_mean": round(statistics.fmean(accs), 4) if accs else "",
-            "test_std": round(statistics.stdev(accs), 4) if len(accs) > 1 else ("" if not accs else 0.0),
+            **_test_summary(accs),
         })
     return out
 
