@@ -123,3 +123,25 @@ def test_learning_rate_is_chosen_on_validation_at_the_chosen_batch():
     # the tie is decided by the rule, not by the order of the run files
     rates_rev = {r["alpha"]: r for r in report.learning_rate_choice(docs[::-1], batches)}
     assert rates_rev[8.0]["learning_rate"] == 0.1 and rates_rev[4.0]["learning_rate"] == 0.05
+
+
+def test_validation_is_averaged_over_the_seeds_every_candidate_ran():
+    """With two validation seeds the choice follows the mean, not seed 0; a seed that
+    only one candidate ran is left out of every candidate's mean; the same holds for
+    the learning-rate stage."""
+    report = _report()
+    b128, b256 = "higradavg-subject-sampling-b128", "higradavg-subject-sampling"
+    docs = [_sized_doc(b128, 128, 8.0, 0.30, 0.1, seed=0), _sized_doc(b128, 128, 8.0, 0.10, 0.1, seed=1),
+            _sized_doc(b256, 256, 8.0, 0.25, 0.1, seed=0), _sized_doc(b256, 256, 8.0, 0.25, 0.1, seed=1),
+            _sized_doc(b256, 256, 8.0, 0.00, 0.1, seed=2),  # only batch 256 ran seed 2: ignored
+            # rates at the chosen 256: seed 0 prefers 0.05, the two-seed mean prefers 0.2
+            _sized_doc(b256, 256, 8.0, 0.40, 0.05, seed=0), _sized_doc(b256, 256, 8.0, 0.10, 0.05, seed=1),
+            _sized_doc(b256, 256, 8.0, 0.30, 0.2, seed=0), _sized_doc(b256, 256, 8.0, 0.30, 0.2, seed=1),
+            # alpha 16: the two batches share no validation seed, so nothing is chosen
+            _sized_doc(b128, 128, 16.0, 0.30, 0.1, seed=0), _sized_doc(b256, 256, 16.0, 0.20, 0.1, seed=1)]
+    batches = report.batch_choice(docs)
+    assert [(r["alpha"], r["batch"], r["validation_seeds"]) for r in batches] == [(8.0, 256, 2)]
+    assert batches[0]["validation"] == "128:0.2000 256:0.2500"
+    rates = report.learning_rate_choice(docs, batches)
+    assert [(r["learning_rate"], r["validation_seeds"]) for r in rates] == [(0.2, 2)]
+    assert rates[0]["validation"] == "0.05:0.2500 0.1:0.2500 0.2:0.3000"

@@ -11,8 +11,8 @@ are prefixed ``shakespeare_``):
   subject (group size Z) and the number of distinct subjects (paper Figure 2 c, d);
 - ``alpha_sweep.png``: final accuracy against alpha per run, when several alphas ran;
 - ``batch_choice.csv`` (FEMNIST): for subject-sampled HiGradAvgDP, the subject batch
-  chosen at each alpha by validation accuracy (seed 0, one learning rate), and the
-  test accuracy of the chosen batch;
+  chosen at each alpha by validation accuracy (mean over the validation seeds every
+  batch ran, one learning rate), and the test accuracy of the chosen batch;
 - ``learning_rate_choice.csv`` (FEMNIST): then, at the chosen batch, the learning rate
   chosen at each alpha by validation accuracy, and its test accuracy.
 
@@ -150,36 +150,51 @@ def _test_summary(accs: list[float]) -> dict:
             "test_std": round(statistics.stdev(accs), 4) if len(accs) > 1 else ("" if not accs else 0.0)}
 
 
+def _validation_scores(by_candidate: dict) -> tuple[dict, list[int]]:
+    """Each candidate's mean validation accuracy over the seeds that *every* candidate
+    ran (so no candidate gains from a luckier or extra seed), and those seeds.
+    ``by_candidate`` maps candidate -> {seed: run row}."""
+    seeds = sorted(set.intersection(*(set(runs) for runs in by_candidate.values())))
+    if not seeds:
+        return {}, []
+    scores = {c: statistics.fmean(float(runs[k]["acc_final"]) for k in seeds) for c, runs in by_candidate.items()}
+    return scores, seeds
+
+
 def batch_choice(docs: list[dict], family: str = SUBJECT_SAMPLING, learning_rate: float = 0.1) -> list[dict]:
     """Per alpha, the subject batch (``run_config["batch-size"]``) of the ``family`` run
-    with the best *validation* accuracy at ``learning_rate`` (seed 0), and the test
-    accuracy (mean +- std over seeds) of that run at that alpha. Test accuracy
-    plays no part in the choice; a tie goes to the larger batch (where every silo
-    holds fewer subjects than both batches, both run the same mechanism, q = 1).
-    Alphas with fewer than two validated batches are left out (nothing was chosen
-    there)."""
-    val: dict[float, dict[int, dict]] = {}
+    with the best *validation* accuracy at ``learning_rate`` (mean over the validation
+    seeds every batch ran), and the test accuracy (mean +- std over seeds) of that run
+    at that alpha. Test accuracy plays no part in the choice; a tie goes to the larger
+    batch (where every silo holds fewer subjects than both batches, both run the same
+    mechanism, q = 1). Alphas with fewer than two validated batches, or no validation
+    seed common to them, are left out (nothing was chosen there)."""
+    val: dict[float, dict[int, dict[int, dict]]] = {}
     test: dict[tuple[str, float], list[float]] = {}
     for doc in docs:
         row = doc["row"]
         if not (row["run"].startswith(family) and abs(float(row["learning_rate"]) - learning_rate) < 1e-12):
             continue
         alpha = float(row["alpha"])
-        if row["evaluate_on"] == "validation" and int(row.get("seed") or 0) == 0:
-            val.setdefault(alpha, {})[int(doc["run_config"]["batch-size"])] = row
+        if row["evaluate_on"] == "validation":
+            batch = int(doc["run_config"]["batch-size"])
+            val.setdefault(alpha, {}).setdefault(batch, {})[int(row.get("seed") or 0)] = row
         elif row["evaluate_on"] == "test":
             test.setdefault((row["run"], alpha), []).append(float(row["acc_final"]))
     out = []
     for alpha, by_batch in sorted(val.items()):
         if len(by_batch) < 2:
             continue
-        batch = max(by_batch, key=lambda b: (float(by_batch[b]["acc_final"]), b))  # tie: the larger batch
-        chosen = by_batch[batch]
+        score, seeds = _validation_scores(by_batch)
+        if not seeds:
+            continue
+        batch = max(score, key=lambda b: (score[b], b))  # tie: the larger batch
+        chosen = by_batch[batch][seeds[0]]
         accs = test.get((chosen["run"], alpha), [])
         out.append({
             "alpha": alpha, "learning_rate": learning_rate,
-            "validation": " ".join(f"{b}:{float(by_batch[b]['acc_final']):.4f}" for b in sorted(by_batch)),
-            "batch": batch, "run": chosen["run"], "noise_multiplier": chosen["noise_multiplier"],
+            "validation": " ".join(f"{b}:{score[b]:.4f}" for b in sorted(score)),
+            "validation_seeds": len(seeds), "batch": batch, "run": chosen["run"], "noise_multiplier": chosen["noise_multiplier"],
             **_test_summary(accs),
         })
     return out
@@ -187,11 +202,12 @@ def batch_choice(docs: list[dict], family: str = SUBJECT_SAMPLING, learning_rate
 
 def learning_rate_choice(docs: list[dict], batch_rows: list[dict]) -> list[dict]:
     """The second stage, after ``batch_choice``: per alpha, at the chosen subject batch
-    (the chosen run), the learning rate with the best *validation* accuracy (seed 0),
-    and the test accuracy (mean +- std over seeds) of that run at that rate. Test
-    accuracy plays no part in the choice; a tie goes to the rate the batch was chosen
-    at. Alphas where only one rate was validated at the chosen batch are left out."""
-    val: dict[float, dict[float, dict]] = {}
+    (the chosen run), the learning rate with the best *validation* accuracy (mean over
+    the validation seeds every rate ran), and the test accuracy (mean +- std over
+    seeds) of that run at that rate. Test accuracy plays no part in the choice; a tie
+    goes to the rate the batch was chosen at. Alphas where only one rate was validated
+    at the chosen batch, or no validation seed is common to the rates, are left out."""
+    val: dict[float, dict[float, dict[int, dict]]] = {}
     test: dict[tuple[str, float, float], list[float]] = {}
     chosen = {r["alpha"]: r for r in batch_rows}
     for doc in docs:
@@ -199,22 +215,26 @@ def learning_rate_choice(docs: list[dict], batch_rows: list[dict]) -> list[dict]
         alpha, lr = float(row["alpha"]), float(row["learning_rate"])
         if alpha not in chosen or row["run"] != chosen[alpha]["run"]:
             continue
-        if row["evaluate_on"] == "validation" and int(row.get("seed") or 0) == 0:
-            val.setdefault(alpha, {})[lr] = row
+        if row["evaluate_on"] == "validation":
+            val.setdefault(alpha, {}).setdefault(lr, {})[int(row.get("seed") or 0)] = row
         elif row["evaluate_on"] == "test":
             test.setdefault((row["run"], alpha, lr), []).append(float(row["acc_final"]))
     out = []
     for alpha, by_lr in sorted(val.items()):
         if len(by_lr) < 2:
             continue
+        score, seeds = _validation_scores(by_lr)
+        if not seeds:
+            continue
         base = float(chosen[alpha]["learning_rate"])
-        lr = max(by_lr, key=lambda x: (float(by_lr[x]["acc_final"]), x == base))  # tie: the stage-one rate
+        lr = max(score, key=lambda x: (score[x], x == base))  # tie: the stage-one rate
         run = chosen[alpha]["run"]
         accs = test.get((run, alpha, lr), [])
         out.append({
             "alpha": alpha, "batch": chosen[alpha]["batch"], "run": run,
-            "validation": " ".join(f"{x:g}:{float(by_lr[x]['acc_final']):.4f}" for x in sorted(by_lr)),
-            "learning_rate": lr, "noise_multiplier": by_lr[lr]["noise_multiplier"],
+            "validation": " ".join(f"{x:g}:{score[x]:.4f}" for x in sorted(score)),
+            "validation_seeds": len(seeds),
+            "learning_rate": lr, "noise_multiplier": by_lr[lr][seeds[0]]["noise_multiplier"],
             **_test_summary(accs),
         })
     return out
@@ -270,12 +290,12 @@ def main() -> None:
     if choice:
         print("\nsubject batch chosen on validation (batch_choice.csv)")
         for r in choice:
-            print(f"  alpha={r['alpha']:g}: validation {r['validation']} -> batch {r['batch']} (z {r['noise_multiplier']}), "
+            print(f"  alpha={r['alpha']:g}: validation ({r['validation_seeds']} seeds) {r['validation']} -> batch {r['batch']} (z {r['noise_multiplier']}), "
                   f"test {r['test_mean']} +- {r['test_std']} ({r['test_seeds']} seeds)")
     if rates:
         print("\nlearning rate chosen on validation at the chosen batch (learning_rate_choice.csv)")
         for r in rates:
-            print(f"  alpha={r['alpha']:g} batch {r['batch']}: validation {r['validation']} -> lr {r['learning_rate']:g}, "
+            print(f"  alpha={r['alpha']:g} batch {r['batch']}: validation ({r['validation_seeds']} seeds) {r['validation']} -> lr {r['learning_rate']:g}, "
                   f"test {r['test_mean']} +- {r['test_std']} ({r['test_seeds']} seeds)")
 
 
