@@ -145,3 +145,48 @@ def test_validation_is_averaged_over_the_seeds_every_candidate_ran():
     rates = report.learning_rate_choice(docs, batches)
     assert [(r["learning_rate"], r["validation_seeds"]) for r in rates] == [(0.2, 2)]
     assert rates[0]["validation"] == "0.05:0.2500 0.1:0.2500 0.2:0.3000"
+
+
+def test_other_methods_rate_is_screened_on_seed_0_then_chosen_on_the_finalists_mean():
+    """Per run at alpha 1: the rates re-run on more seeds are the finalists and their
+    mean decides, even against a better seed-0 screen of a rate run once; test has no
+    say; the subject-sampled family, other alphas and a run with one rate are left
+    out; an exact tie goes to the tested rate."""
+    report = _report()
+    doc = _sized_doc
+    docs = [doc("local-item-dp", 0, 1.0, 0.60, 0.8), doc("local-item-dp", 0, 1.0, 0.72, 1.6),
+            doc("local-item-dp", 0, 1.0, 0.70, 3.2),
+            doc("local-item-dp", 0, 1.0, 0.62, 1.6, seed=1), doc("local-item-dp", 0, 1.0, 0.70, 3.2, seed=1),
+            doc("local-item-dp", 0, 1.0, 0.10, 3.2, "test"), doc("local-item-dp", 0, 1.0, 0.20, 3.2, "test", seed=1),
+            doc("local-item-dp", 0, 1.0, 0.99, 1.6, "test"),  # test prefers 1.6: no say
+            doc("local-item-dp", 0, 4.0, 0.99, 0.8),  # another alpha
+            doc("user-ldp", 0, 1.0, 0.009, 0.05), doc("user-ldp", 0, 1.0, 0.009, 0.2),
+            doc("user-ldp", 0, 1.0, 0.011, 0.2, "test"),
+            doc("fedavg", 0, 1.0, 0.70, 0.2),  # one rate: nothing chosen
+            doc("higradavg-subject-sampling-b128", 128, 1.0, 0.30, 0.1),
+            doc("higradavg-subject-sampling-b128", 128, 1.0, 0.20, 0.2)]
+    for order in (docs, docs[::-1]):
+        rows = {r["run"]: r for r in report.method_rate_choice(order)}
+        assert set(rows) == {"local-item-dp", "user-ldp"}
+        lid = rows["local-item-dp"]
+        assert (lid["learning_rate"], lid["validation_seeds"], lid["test_seeds"]) == (3.2, 2, 2)
+        assert lid["screen"] == "0.8:0.6000 1.6:0.7200 3.2:0.7000" and lid["finalists"] == "1.6:0.6700 3.2:0.7000"
+        assert abs(lid["test_mean"] - 0.15) < 1e-9
+        assert (rows["user-ldp"]["learning_rate"], rows["user-ldp"]["validation_seeds"]) == (0.2, 1)
+
+
+def test_a_run_file_with_only_its_run_config_naming_shakespeare_is_not_femnist(tmp_path):
+    """Early Shakespeare validation files carry the data set in ``run_config`` only:
+    they must not enter FEMNIST's learning-rate choice."""
+    report = _report()
+    for k, (lr, acc, rc) in enumerate([(0.2, 0.50, {"batch-size": 0}), (0.8, 0.40, {"batch-size": 0}),
+                                        (4.0, 0.90, {"batch-size": 0, "dataset": "shakespeare"})]):
+        d = _sized_doc("fedavg", 0, 1.0, acc, lr)
+        d["run_config"] = rc
+        (tmp_path / f"runs{k}.json").write_text(json.dumps(d))
+    (tmp_path / "runs").mkdir()
+    for p in list(tmp_path.glob("runs*.json")):
+        p.rename(tmp_path / "runs" / p.name)
+    _, _, methods = report.write_choices(tmp_path / "runs", tmp_path)
+    assert [(r["run"], r["learning_rate"], r["screen"]) for r in methods] == [("fedavg", 0.2, "0.2:0.5000 0.8:0.4000")]
+    assert (tmp_path / "method_learning_rate_choice.csv").exists()

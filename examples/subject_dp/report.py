@@ -14,7 +14,11 @@ are prefixed ``shakespeare_``):
   chosen at each alpha by validation accuracy (mean over the validation seeds every
   batch ran, one learning rate), and the test accuracy of the chosen batch;
 - ``learning_rate_choice.csv`` (FEMNIST): then, at the chosen batch, the learning rate
-  chosen at each alpha by validation accuracy, and its test accuracy.
+  chosen at each alpha by validation accuracy, and its test accuracy;
+- ``method_learning_rate_choice.csv`` (FEMNIST): for every other run (FedAvg,
+  LocalItemDP, LocalGroupDP, UserLDP, record-sampled HiGradAvgDP), the learning rate
+  chosen at alpha = 1 by validation accuracy (a seed-0 screen, then the rates re-run on
+  more seeds compared by their mean), and its test accuracy.
 
 and prints the markdown table of the test-set rows, mean +- std over seeds.
 """
@@ -38,13 +42,20 @@ ROOT = Path(__file__).resolve().parents[2]
 TITLES = {"femnist": "FEMNIST, 300 writers as subjects", "shakespeare": "Tiny Shakespeare, 134 characters as subjects"}
 
 
+def _dataset(doc: dict) -> str:
+    """The data set of a run file: its ``dataset`` key, else its run config's (some early
+    Shakespeare validation files have only the latter), else FEMNIST (the first runs
+    predate both keys and are all FEMNIST)."""
+    return doc.get("dataset") or (doc.get("run_config") or {}).get("dataset") or "femnist"
+
+
 def load_runs(folder: Path, dataset: str) -> dict[tuple[str, float, float], dict]:
     """(run, alpha, learning rate) -> the seed-0 test run of ``dataset``."""
     runs = {}
     for path in sorted(folder.glob("*.json")):
         doc = json.loads(path.read_text())
         row = doc["row"]
-        if (doc.get("dataset", "femnist") == dataset and row["evaluate_on"] == "test"
+        if (_dataset(doc) == dataset and row["evaluate_on"] == "test"
                 and int(row.get("seed") or 0) == 0):
             runs[(row["run"], float(row["alpha"]), float(row["learning_rate"]))] = doc
     return runs
@@ -240,6 +251,51 @@ def learning_rate_choice(docs: list[dict], batch_rows: list[dict]) -> list[dict]
     return out
 
 
+def method_rate_choice(docs: list[dict], alpha: float = 1.0) -> list[dict]:
+    """Per run other than the subject-sampled family (whose batch and rate are chosen
+    per alpha above), the learning rate with the best *validation* accuracy at
+    ``alpha``, and the test accuracy (mean +- std over seeds) of that run at that rate.
+
+    Two stages, as the runs were made: ``screen`` is every rate's validation accuracy on
+    seed 0; the *finalists* are the rates validated on the most seeds (every rate when
+    each ran one seed), compared by their mean over the seeds every finalist ran
+    (``finalists``, ``validation_seeds``). Test accuracy plays no part in the choice; an
+    exact tie goes to the rate the test runs used. Runs with fewer than two validated
+    rates at ``alpha`` are left out."""
+    val: dict[str, dict[float, dict[int, dict]]] = {}
+    test: dict[tuple[str, float], list[float]] = {}
+    for doc in docs:
+        row = doc["row"]
+        if row["run"].startswith(SUBJECT_SAMPLING) or abs(float(row["alpha"]) - alpha) > 1e-12:
+            continue
+        lr = float(row["learning_rate"])
+        if row["evaluate_on"] == "validation":
+            val.setdefault(row["run"], {}).setdefault(lr, {})[int(row.get("seed") or 0)] = row
+        elif row["evaluate_on"] == "test":
+            test.setdefault((row["run"], lr), []).append(float(row["acc_final"]))
+    out = []
+    for run, by_lr in sorted(val.items()):
+        if len(by_lr) < 2:
+            continue
+        most = max(len(seeds) for seeds in by_lr.values())
+        finalists = {lr: seeds for lr, seeds in by_lr.items() if len(seeds) == most}
+        if len(finalists) < 2:  # one rate re-run: the screen decides
+            finalists = by_lr
+        score, seeds = _validation_scores(finalists)
+        if not seeds:
+            continue
+        lr = max(score, key=lambda x: (score[x], (run, x) in test))  # tie: the tested rate
+        out.append({
+            "run": run, "alpha": alpha,
+            "screen": " ".join(f"{x:g}:{float(s[0]['acc_final']):.4f}" for x, s in sorted(by_lr.items()) if 0 in s),
+            "finalists": " ".join(f"{x:g}:{score[x]:.4f}" for x in sorted(score)),
+            "validation_seeds": len(seeds), "learning_rate": lr,
+            "noise_multiplier": finalists[lr][seeds[0]]["noise_multiplier"],
+            **_test_summary(test.get((run, lr), [])),
+        })
+    return out
+
+
 def _write_csv(rows: list[dict], out: Path) -> None:
     if rows:
         with out.open("w", newline="") as f:
@@ -248,15 +304,18 @@ def _write_csv(rows: list[dict], out: Path) -> None:
             writer.writerows(rows)
 
 
-def write_choices(folder: Path, out_dir: Path) -> tuple[list[dict], list[dict]]:
-    """``batch_choice.csv`` and ``learning_rate_choice.csv`` from the FEMNIST run files."""
+def write_choices(folder: Path, out_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """``batch_choice.csv``, ``learning_rate_choice.csv`` and
+    ``method_learning_rate_choice.csv`` from the FEMNIST run files."""
     docs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    docs = [d for d in docs if d.get("dataset", "femnist") == "femnist" and "run_config" in d]
+    docs = [d for d in docs if _dataset(d) == "femnist" and "run_config" in d]
     batches = batch_choice(docs)
     rates = learning_rate_choice(docs, batches)
     _write_csv(batches, out_dir / "batch_choice.csv")
+    methods = method_rate_choice(docs)
     _write_csv(rates, out_dir / "learning_rate_choice.csv")
-    return batches, rates
+    _write_csv(methods, out_dir / "method_learning_rate_choice.csv")
+    return batches, rates, methods
 
 
 def main() -> None:
@@ -272,7 +331,7 @@ def main() -> None:
     plot_accuracy(runs, folder / f"{prefix}accuracy_rounds.png", TITLES[args.dataset])
     plot_histograms(runs, folder / f"{prefix}batch_histograms.png", TITLES[args.dataset])
     plot_alpha(rows, folder / f"{prefix}alpha_sweep.png")
-    choice, rates = write_choices(folder / "runs", folder) if args.dataset == "femnist" else ([], [])
+    choice, rates, methods = write_choices(folder / "runs", folder) if args.dataset == "femnist" else ([], [], [])
     cols = ["run", "alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "epsilon", "unit",
             "learning_rate", "seeds", "acc_final"]
     print("| " + " | ".join(cols) + " |")
@@ -297,6 +356,12 @@ def main() -> None:
         for r in rates:
             print(f"  alpha={r['alpha']:g} batch {r['batch']}: validation ({r['validation_seeds']} seeds) {r['validation']} -> lr {r['learning_rate']:g}, "
                   f"test {r['test_mean']} +- {r['test_std']} ({r['test_seeds']} seeds)")
+    if methods:
+        print("\nlearning rate of the other runs chosen on validation at alpha = 1 (method_learning_rate_choice.csv)")
+        for r in methods:
+            print(f"  {r['run']}: seed-0 screen {r['screen']}; finalists ({r['validation_seeds']} seeds) "
+                  f"{r['finalists']} -> lr {r['learning_rate']:g}, test {r['test_mean']} +- {r['test_std']} "
+                  f"({r['test_seeds']} seeds)")
 
 
 if __name__ == "__main__":
