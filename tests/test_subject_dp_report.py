@@ -173,20 +173,22 @@ def test_other_methods_rate_is_screened_on_seed_0_then_chosen_on_the_finalists_m
         assert lid["screen"] == "0.8:0.6000 1.6:0.7200 3.2:0.7000" and lid["finalists"] == "1.6:0.6700 3.2:0.7000"
         assert abs(lid["test_mean"] - 0.15) < 1e-9
         assert (rows["user-ldp"]["learning_rate"], rows["user-ldp"]["validation_seeds"]) == (0.2, 1)
+    # a tie with no tested rate goes to the smaller rate, whatever the file order
+    untested = [doc("user-ldp", 0, 1.0, 0.009, 0.8), doc("user-ldp", 0, 1.0, 0.009, 0.2)]
+    for order in (untested, untested[::-1]):
+        assert report.method_rate_choice(order)[0]["learning_rate"] == 0.2
 
 
 def test_a_run_file_with_only_its_run_config_naming_shakespeare_is_not_femnist(tmp_path):
     """Early Shakespeare validation files carry the data set in ``run_config`` only:
     they must not enter FEMNIST's learning-rate choice."""
     report = _report()
+    (tmp_path / "runs").mkdir()
     for k, (lr, acc, rc) in enumerate([(0.2, 0.50, {"batch-size": 0}), (0.8, 0.40, {"batch-size": 0}),
                                         (4.0, 0.90, {"batch-size": 0, "dataset": "shakespeare"})]):
         d = _sized_doc("fedavg", 0, 1.0, acc, lr)
         d["run_config"] = rc
-        (tmp_path / f"runs{k}.json").write_text(json.dumps(d))
-    (tmp_path / "runs").mkdir()
-    for p in list(tmp_path.glob("runs*.json")):
-        p.rename(tmp_path / "runs" / p.name)
+        (tmp_path / "runs" / f"run{k}.json").write_text(json.dumps(d))
     _, _, methods = report.write_choices(tmp_path / "runs", tmp_path)
     assert [(r["run"], r["learning_rate"], r["screen"]) for r in methods] == [("fedavg", 0.2, "0.2:0.5000 0.8:0.4000")]
     assert (tmp_path / "method_learning_rate_choice.csv").exists()

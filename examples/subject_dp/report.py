@@ -260,7 +260,7 @@ def method_rate_choice(docs: list[dict], alpha: float = 1.0) -> list[dict]:
     seed 0; the *finalists* are the rates validated on the most seeds (every rate when
     each ran one seed), compared by their mean over the seeds every finalist ran
     (``finalists``, ``validation_seeds``). Test accuracy plays no part in the choice; an
-    exact tie goes to the rate the test runs used. Runs with fewer than two validated
+    exact tie goes to the rate the test runs used, then to the smaller rate. Runs with fewer than two validated
     rates at ``alpha`` are left out."""
     val: dict[str, dict[float, dict[int, dict]]] = {}
     test: dict[tuple[str, float], list[float]] = {}
@@ -284,7 +284,7 @@ def method_rate_choice(docs: list[dict], alpha: float = 1.0) -> list[dict]:
         score, seeds = _validation_scores(finalists)
         if not seeds:
             continue
-        lr = max(score, key=lambda x: (score[x], (run, x) in test))  # tie: the tested rate
+        lr = max(score, key=lambda x: (score[x], (run, x) in test, -x))  # tie: the tested rate, then the smaller
         out.append({
             "run": run, "alpha": alpha,
             "screen": " ".join(f"{x:g}:{float(s[0]['acc_final']):.4f}" for x, s in sorted(by_lr.items()) if 0 in s),
@@ -311,8 +311,8 @@ def write_choices(folder: Path, out_dir: Path) -> tuple[list[dict], list[dict], 
     docs = [d for d in docs if _dataset(d) == "femnist" and "run_config" in d]
     batches = batch_choice(docs)
     rates = learning_rate_choice(docs, batches)
-    _write_csv(batches, out_dir / "batch_choice.csv")
     methods = method_rate_choice(docs)
+    _write_csv(batches, out_dir / "batch_choice.csv")
     _write_csv(rates, out_dir / "learning_rate_choice.csv")
     _write_csv(methods, out_dir / "method_learning_rate_choice.csv")
     return batches, rates, methods
