@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     jdp.add_argument("--trust", choices=("local", "central"), default="local")
     jdp.add_argument("--records-per-user", type=_positive(int), default=1, help="m/r (user unit if > 1)")
     jdp.add_argument("--personal", default="fc1", help="personal layers: fc1, conv1, conv2, "
-                     "conv1+fc1, conv2+fc1, conv1+conv2, conv1+conv2+fc1")
+                     "conv1+fc1, conv2+fc1, conv1+conv2, conv1+conv2+fc1 (the paper's Table 2), "
+                     "fc1+fc2, conv1+fc1+fc2 (both heads personal)")
     jdp.add_argument("--coupling", choices=("decoupled", "interleaved"), default="decoupled",
                      help="joint-dp personal layers: decoupled from the shared release (DP holds) or "
                      "interleaved (the paper's Algorithm 1; record-level guarantee not established)")

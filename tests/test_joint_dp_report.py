@@ -158,7 +158,8 @@ def test_memory_sampler_refuses_a_file_with_other_columns(tmp_path, monkeypatch)
 def test_table2_marks_personal_layers_counts_their_parameters_and_keeps_the_latest_row():
     report = _report()
     rows = []
-    for rule, acc in (("none", 0.70), ("conv1", 0.60), ("fc1", 0.75), ("fc1", 0.77), ("conv1+conv2+fc1", 0.2)):
+    for rule, acc in (("none", 0.70), ("conv1", 0.60), ("fc1", 0.75), ("fc1", 0.77), ("conv1+conv2+fc1", 0.2),
+                      ("fc1+fc2", 0.9)):
         method = "full-dp" if rule == "none" else "joint-dp"
         row = _row(Cell("fashion-mnist", 128, method, "central", 1.0), acc)
         rows.append({k: str(v) for k, v in dict(row, personal_layers=rule).items()})
@@ -170,7 +171,9 @@ def test_table2_marks_personal_layers_counts_their_parameters_and_keeps_the_late
     assert "| YES | No | No | 416 | 0.6000 ± 0.0000 (1) |" in lines
     assert "| No | No | YES | 15,690 | 0.7700 ± 0.0000 (1) |" in lines  # the later fc1 row
     assert "| YES | YES | YES | 28,938 | 0.2000 ± 0.0000 (1) |" in lines
-    assert len(lines) == 2 + 4  # rules never run are left out
+    assert len(lines) == 2 + 4  # rules never run, and the FC2-personal rule beyond the paper, are left out
+    assert report.personal_parameter_count("fc1+fc2") == 2 * 15_690
+    assert report.personal_parameter_count("conv1+fc1+fc2") == 416 + 2 * 15_690
 
 
 def test_table4_has_one_line_per_records_per_user_bolds_dp_above_per_silo_and_falls_back_to_table1():

@@ -36,8 +36,9 @@ def test_old_table_gains_the_clipping_norm_its_runs_used(tmp_path):
     assert [r["ema_decay"] for r in rows] == ["0", "0"]  # no moving average before the key
     assert [(r["records_per_user"], r["user_batch_size"]) for r in rows] == [("1", "0")] * 2  # record level
     assert [(r["finetune_epochs"], r["finetune_learning_rate"]) for r in rows] == [("0", "-")] * 2  # none
+    assert [r["seed"] for r in rows] == ["0", "0"]  # the only seed tuned before the column
     assert table.read_text().splitlines()[0].endswith(",clipping_norm,ema_decay,records_per_user,user_batch_size,"
-                                                      "finetune_epochs,finetune_learning_rate")
+                                                      "finetune_epochs,finetune_learning_rate,seed")
     assert read_rows(table) == rows and tune.upgrade_table(table) == rows  # idempotent
 
 
@@ -49,10 +50,11 @@ def _main(tune, monkeypatch, *args):
 def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, monkeypatch, capsys):
     tune = _tune()
     _old_table(tmp_path / "tuning.csv")
-    calls = []
+    calls, seeds = [], []
 
     def fake_run_seed(cell, seed, data_dir, work_dir, supernodes, validation_fraction, extra):
         calls.append((work_dir.name, validation_fraction, dict(extra)))
+        seeds.append(seed)
         return {"final_accuracy": 0.61, "final_epsilon": 0.998, "noise_multiplier": 31.1,
                 "config": {"personal-coupling": "decoupled"}}
 
@@ -98,6 +100,15 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
     calls.clear()
     assert _main(tune, monkeypatch, *common, "--finetune-epochs", "20", "--finetune-learning-rates", "0.02") == 0
     assert calls == []
+
+    # a second validation seed is another point: run once, recorded with its seed, then skipped
+    calls.clear()
+    seeds.clear()
+    assert _main(tune, monkeypatch, *common, "--seed", "1") == 0
+    assert [c[0] for c in calls] == ["lr0.05-plr0.05"] and seeds == [1]
+    assert read_rows(tmp_path / "tuning.csv")[-1]["seed"] == "1"
+    assert _main(tune, monkeypatch, *common, "--seed", "1") == 0
+    assert seeds == [1]
 
 
 @pytest.mark.parametrize("args", [("--method", "fedavg", "--clipping-norms", "1"),

@@ -243,6 +243,8 @@ def table2(rows: list[dict[str, str]]) -> str:
     lines = [head, "|" + "---|" * (4 + len(trusts))]
     for rule in PERSONAL_RULES:
         parts = rule.split("+")
+        if "fc2" in parts:  # beyond the paper's table, whose FC2 is always shared
+            continue
         cells = []
         for trust in trusts:
             hit = [r for r in rows if r["trust"] == trust and (r.get("personal_layers") or "fc1") == rule]
@@ -423,7 +425,7 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
 
 #: Values an empty tuning-table cell stands for (rows from before the column existed).
 _TUNING_DEFAULTS = {"ema_decay": "0", "records_per_user": "1", "user_batch_size": "0", "finetune_epochs": "0",
-                    "finetune_learning_rate": "-"}
+                    "finetune_learning_rate": "-", "seed": "0"}
 
 
 def main() -> int:
@@ -470,7 +472,7 @@ def main() -> int:
         keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
                 "validation_fraction",
                 "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
-                "user_batch_size", "finetune_epochs", "finetune_learning_rate", "noise_multiplier", "final_epsilon")
+                "user_batch_size", "finetune_epochs", "finetune_learning_rate", "noise_multiplier", "final_epsilon", "seed")
         lines = ["| " + " | ".join(keys) + " | validation accuracy |", "|" + "---|" * (len(keys) + 1)]
         lines += ["| " + " | ".join(r.get(k) or _TUNING_DEFAULTS.get(k, "") for k in keys)
                   + f" | {float(r['val_acc']):.4f} |" for r in tuning]

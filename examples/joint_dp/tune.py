@@ -26,6 +26,10 @@ training records, that adapts the owner's model before it is evaluated (run-conf
 The grid is the product of the learning rates, personal learning rates, clipping
 norms, decays, user batches and adaptations.
 
+``--seed 1`` runs the grid on another seed (another split, initialisation and
+validation carve-out); the seed is part of a point, so a finalist can be checked on
+a second seed.
+
 Appends one row per grid point to ``results/joint_dp/tuning.csv`` (points already
 there are skipped) and prints the best point.
 """
@@ -46,19 +50,20 @@ ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
            "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
            "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay", "records_per_user",
-           "user_batch_size", "finetune_epochs", "finetune_learning_rate")
+           "user_batch_size", "finetune_epochs", "finetune_learning_rate", "seed")
 
 
 def _added_columns(r: dict[str, str]) -> dict[str, str]:
     """The columns a tuning table written before them lacks, at the value its runs
     used: the clipping norm of :data:`HPARAMS` (empty for a cell without DP), no
     moving average (``ema_decay`` 0), the record level (``records_per_user`` 1, so
-    ``user_batch_size`` 0), no adaptation before evaluation (``finetune_epochs`` 0)."""
+    ``user_batch_size`` 0), no adaptation before evaluation (``finetune_epochs`` 0),
+    seed 0 (the only seed tuned before the column)."""
     old = Cell(r["dataset"], int(r["owners"]), r["method"],
                r["trust"] if r["trust"] != "-" else "local",
                float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
     return {"clipping_norm": f"{old.hparams['clipping-norm']:g}" if old.dp else "", "ema_decay": "0",
-            "records_per_user": "1", "user_batch_size": "0", **finetune_columns(0, 0.0)}
+            "records_per_user": "1", "user_batch_size": "0", **finetune_columns(0, 0.0), "seed": "0"}
 
 
 def upgrade_table(table: Path) -> list[dict[str, str]]:
@@ -152,12 +157,13 @@ def main() -> int:
                  + (f" finetune={ft} epochs at {ftlr:g}" if ft else ""))
         key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
                f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}", clip_txt,
-               f"{decay:g}", mr, f"{ub:g}", ft_cols["finetune_epochs"], ft_cols["finetune_learning_rate"])
+               f"{decay:g}", mr, f"{ub:g}", ft_cols["finetune_epochs"], ft_cols["finetune_learning_rate"],
+               str(args.seed))
         if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"], r["personal_layers"],
                 r["learning_rate"], r["personal_learning_rate"], r["clipping_norm"],
                 r.get("ema_decay") or "0", r.get("records_per_user") or "1",
                 r.get("user_batch_size") or "0", r.get("finetune_epochs") or "0",
-                r.get("finetune_learning_rate") or "-") == key for r in rows):
+                r.get("finetune_learning_rate") or "-", r.get("seed") or "0") == key for r in rows):
             print(f"skip {point} (in {table.name})", flush=True)
             continue
         extra = {"learning-rate": lr, "personal-learning-rate": plr}
@@ -192,7 +198,7 @@ def main() -> int:
     mine = [r for r in rows if (r["dataset"], r["owners"], r["method"], r["trust"], r["personal_layers"])
             == (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-", cell.personal)
             and r["epsilon"] == (f"{cell.epsilon:g}" if cell.dp else "inf")
-            and (r.get("records_per_user") or "1") == mr]
+            and (r.get("records_per_user") or "1") == mr and (r.get("seed") or "0") == str(args.seed)]
     best = max(mine, key=lambda r: float(r["val_acc"]))
     print(f"best on validation: lr={best['learning_rate']} personal lr={best['personal_learning_rate']}"
           + (f" C={best['clipping_norm']}" if best["clipping_norm"] else "")

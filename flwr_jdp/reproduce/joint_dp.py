@@ -71,7 +71,9 @@ COUPLINGS = ("decoupled", "interleaved")
 #: The paper's Table 3: n -> (local epochs E, global rounds T).
 PAPER_SCHEDULE = {4: (20, 10), 16: (10, 10), 64: (10, 10), 128: (5, 20), 256: (5, 20), 512: (5, 20)}
 
-#: Named personal-layer rules of the paper's Table 2 (FC2 is always shared).
+#: Named personal-layer rules: the paper's Table 2 (FC2 shared), then two beyond the
+#: paper that keep both heads personal and share only convolutions (FedRep's split:
+#: a shared body, a personal head), to be chosen on validation like the others.
 PERSONAL_RULES = {
     "none": "",
     "conv1": r"^conv1\.",
@@ -81,6 +83,8 @@ PERSONAL_RULES = {
     "conv1+fc1": r"^(conv1|fc1)\.",
     "conv2+fc1": r"^(conv2|fc1)\.",
     "conv1+conv2+fc1": r"^(conv1|conv2|fc1)\.",
+    "fc1+fc2": r"^(fc1|fc2)\.",
+    "conv1+fc1+fc2": r"^(conv1|fc1|fc2)\.",
 }
 
 #: Hyperparameters per (method, trust). Chosen a priori (not tuned on any test
