@@ -174,6 +174,9 @@ def test_table2_marks_personal_layers_counts_their_parameters_and_keeps_the_late
     assert len(lines) == 2 + 4  # rules never run, and the FC2-personal rule beyond the paper, are left out
     assert report.personal_parameter_count("fc1+fc2") == 2 * 15_690
     assert report.personal_parameter_count("conv1+fc1+fc2") == 416 + 2 * 15_690
+    # shared = all 44,724 (convs 416 + 12,832, heads 2 x 15,690, GroupNorm 96) minus personal
+    assert [report.shared_parameter_count(r) for r in ("fc1", "conv1+conv2+fc1", "fc1+fc2", "conv1+fc1+fc2")] == [
+        29_034, 15_786, 13_344, 12_928]
 
 
 def test_table4_has_one_line_per_records_per_user_bolds_dp_above_per_silo_and_falls_back_to_table1():

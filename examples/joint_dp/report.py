@@ -86,7 +86,6 @@ def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]
     line per (n, trust, settings), beside Table 1's FC1 cell of the same n and trust
     and Table 1's per-silo cell; the latest row of each wins. With ``runs``, the last
     column is these settings minus per-silo paired by seed (``paired_difference``)."""
-    total = sum(_seed_cnn_sizes().values())
     lines = ["| n | trust | personal | shared params | personal lr | EMA decay | adapted after the last round "
              "| joint DP, these settings "
              "| joint DP, FC1 personal (Table 1) | per-silo (Table 1) | these settings − per-silo, paired by seed |",
@@ -99,7 +98,7 @@ def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]
                  _latest(t1_fc1, owners=str(n), method="joint-dp", trust=trust),
                  _latest(t1_rows, owners=str(n), method="per-silo")]
         paired = paired_difference(runs, cells[0], cells[2]) if runs and cells[0] and cells[2] else ""
-        lines.append(f"| {n} | {trust} | {rule} | {total - personal_parameter_count(rule):,} | {plr:g} | {decay:g} | "
+        lines.append(f"| {n} | {trust} | {rule} | {shared_parameter_count(rule):,} | {plr:g} | {decay:g} | "
                      f"{_finetune_text(ft, ftlr)} | " + " | ".join(_fmt(c) if c else "not run" for c in cells) + f" | {paired} |")
     return "\n".join(lines)
 
@@ -231,6 +230,11 @@ def personal_parameter_count(rule: str) -> int:
     if not pattern:
         return 0
     return sum(size for name, size in _seed_cnn_sizes().items() if re.search(pattern, name))
+
+
+def shared_parameter_count(rule: str) -> int:
+    """Parameters of the seed CNN that ``rule`` shares (the ones the DP noise covers)."""
+    return sum(_seed_cnn_sizes().values()) - personal_parameter_count(rule)
 
 
 def table2(rows: list[dict[str, str]]) -> str:
@@ -473,9 +477,10 @@ def main() -> int:
                 "validation_fraction",
                 "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
                 "user_batch_size", "finetune_epochs", "finetune_learning_rate", "noise_multiplier", "final_epsilon", "seed")
-        lines = ["| " + " | ".join(keys) + " | validation accuracy |", "|" + "---|" * (len(keys) + 1)]
+        lines = ["| " + " | ".join(keys) + " | shared params | validation accuracy |", "|" + "---|" * (len(keys) + 2)]
         lines += ["| " + " | ".join(r.get(k) or _TUNING_DEFAULTS.get(k, "") for k in keys)
-                  + f" | {float(r['val_acc']):.4f} |" for r in tuning]
+                  + f" | {shared_parameter_count(r['personal_layers']):,} | {float(r['val_acc']):.4f} |"
+                  for r in tuning]
         parts += ["### Learning-rate, clipping-norm and personal-layer tuning on validation splits (`tune.py`; test split not read)",
                   "\n".join(lines)]
     text = "\n\n".join(parts) + "\n"
