@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     jdp.add_argument("--coupling", choices=("decoupled", "interleaved"), default="decoupled",
                      help="joint-dp personal layers: decoupled from the shared release (DP holds) or "
                      "interleaved (the paper's Algorithm 1; record-level guarantee not established)")
+    jdp.add_argument("--learning-rate", type=_positive(float), default=None,
+                     help="learning rate of the shared parameters (default: the method's; choose it "
+                     "on validation with examples/joint_dp/tune.py --learning-rates)")
     jdp.add_argument("--personal-learning-rate", type=_positive(float), default=None,
                      help="personal learning rate (default: the method's; choose it on validation "
                      "with examples/joint_dp/tune.py)")
@@ -120,6 +123,7 @@ def _reproduce(args: argparse.Namespace) -> int:
     try:
         cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon,
                     args.records_per_user, args.personal, args.coupling,
+                    lr=args.learning_rate or 0.0,
                     personal_lr=args.personal_learning_rate or 0.0, ema_decay=args.ema_decay,
                     user_batch=args.user_batch_size, finetune_epochs=args.finetune_epochs,
                     finetune_lr=args.finetune_learning_rate)

@@ -221,6 +221,24 @@ def test_table4_gives_cells_run_with_a_user_batch_their_own_block():
     assert report._overridden(rows[2]) and not report._overridden(rows[1])
 
 
+def test_table4_gives_cells_run_with_a_chosen_learning_rate_their_own_block():
+    """A row run with a validation-chosen shared learning rate never replaces the
+    default cell of the same m/r; its block's trust column names the rate."""
+    report = _report()
+    rows = []
+    for cell, acc in ((Cell("fashion-mnist", 256, "joint-dp", "local", 1.0, 10), 0.51),
+                      (Cell("fashion-mnist", 256, "joint-dp", "local", 1.0, 10, lr=0.0125), 0.60)):
+        row = dict(_row(cell, acc), records_per_user=cell.records_per_user,
+                   learning_rate=f"{cell.learning_rate:g}")
+        rows.append({k: str(v) for k, v in row.items()})
+    lines = report.table4(rows, []).splitlines()
+    assert lines[2].startswith("| fashion-mnist | 256 | local | 10 | not run | not run | not run | 0.5100 ± 0.0000 (1) |")
+    assert lines[3].startswith("| fashion-mnist | 256 | local, lr 0.0125 | 10 | not run | not run | not run | "
+                               "0.6000 ± 0.0000 (1) |")
+    assert len(lines) == 4
+    assert report._overridden(rows[1]) and not report._overridden(rows[0])
+
+
 def test_table1_joint_dp_cell_is_fc1_personal_and_other_rules_get_their_own_table():
     """A joint-DP run with more layers personal never replaces Table 1's FC1 cell; the
     rule table sets it beside that cell and per-silo, with the shared parameter count."""

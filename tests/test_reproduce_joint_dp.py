@@ -149,6 +149,20 @@ def test_a_user_batch_names_its_own_runs_and_reaches_the_run_config(tmp_path):
         Cell("fashion-mnist", 4, "fedavg", records_per_user=10, user_batch=32)
 
 
+def test_a_shared_learning_rate_names_its_own_runs_and_reaches_the_run_config(tmp_path):
+    """A validation-chosen rate for the shared parameters is its own cell (own run
+    folder, ``learning_rate`` column); the HPARAMS rate spelt out is the default cell."""
+    base = Cell("fashion-mnist", 256, "joint-dp", "local", 1.0, 10)
+    slow = Cell("fashion-mnist", 256, "joint-dp", "local", 1.0, 10, lr=0.0125)
+    assert slow.name == base.name + "-lr0.0125"
+    assert parse_config(run_config(slow, 0, "/data", str(tmp_path))).learning_rate == 0.0125
+    assert parse_config(run_config(base, 0, "/data", str(tmp_path))).learning_rate == 0.05
+    assert Cell("fashion-mnist", 256, "joint-dp", "local", 1.0, 10, lr=0.05) == base
+    assert Cell("fashion-mnist", 4, "joint-dp", "central", lr=1.0) == Cell("fashion-mnist", 4, "joint-dp", "central")
+    with pytest.raises(ValueError, match="--learning-rate"):
+        Cell("fashion-mnist", 256, "joint-dp", lr=-0.1)
+
+
 def test_an_adapted_cell_names_its_own_runs_and_reaches_the_run_config(tmp_path):
     base = Cell("fashion-mnist", 256, "joint-dp")
     adapted = Cell("fashion-mnist", 256, "joint-dp", finetune_epochs=20, finetune_lr=0.02)
@@ -198,7 +212,7 @@ def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path
                      "digits,4,fedavg,-,inf,1,0.7,0.0,1,fc1,1,2,3.0,-\n")
     rows = upgrade_table(table)
     assert [(r["personal_learning_rate"], r["ema_decay"], r["user_batch_size"], r["finetune_epochs"],
-             r["finetune_learning_rate"]) for r in rows] == [("0.05", "0", "0", "0", "-")] * 2
+             r["finetune_learning_rate"], r["learning_rate"]) for r in rows] == [("0.05", "0", "0", "0", "-", "0.05")] * 2
     assert read_rows(table) == rows and upgrade_table(table) == rows  # idempotent
     # a finished cell whose row is already there (in the old format) is not appended again
     cell = Cell("digits", 4, "joint-dp", "local", 8.0)

@@ -58,10 +58,10 @@ def _rule(row: dict[str, str]) -> str:
 
 
 def _overridden(row: dict[str, str]) -> bool:
-    """True for a row run with a validation-chosen personal learning rate, moving
-    average, user batch or adaptation before evaluation (not a Table 1 cell)."""
+    """True for a row run with a validation-chosen learning rate, personal learning
+    rate, moving average, user batch or adaptation before evaluation (not a Table 1 cell)."""
     cell = cell_of(row)
-    return bool(cell.personal_lr or cell.ema_decay or cell.user_batch or cell.finetune_epochs)
+    return bool(cell.lr or cell.personal_lr or cell.ema_decay or cell.user_batch or cell.finetune_epochs)
 
 
 def _settings(row: dict[str, str]) -> tuple[str, float, float, int, float]:
@@ -139,6 +139,7 @@ def cell_of(row: dict[str, str]) -> Cell:
                 float(row["epsilon"]) if dp else 1.0, int(row.get("records_per_user") or 1),
                 row.get("personal_layers") or "fc1",
                 (row.get("coupling") or "decoupled") if row["method"] == "joint-dp" else "decoupled",
+                lr=float(row.get("learning_rate") or 0.0),
                 personal_lr=float(row.get("personal_learning_rate") or 0.0),
                 ema_decay=float(row.get("ema_decay") or 0.0),
                 user_batch=float(row.get("user_batch_size") or 0.0),
@@ -276,23 +277,24 @@ def table4(rows: list[dict[str, str]], baselines: list[dict[str, str]] = ()) -> 
     same cells) where ``rows`` has none, and so is a DP cell at m/r = 1 (record level:
     Table 1's cell at epsilon = 1, FC1 personal, marked "T1"). A DP accuracy above per-silo's is in bold
     (the paper underlines it). Rows run with a user batch chosen on validation
-    (``user_batch_size`` > 0) form their own block, its trust column naming the batch."""
+    (``user_batch_size`` > 0) or a shared learning rate chosen on validation (``learning_rate``
+    other than HPARAMS') form their own block, its trust column naming the batch and the rate."""
     head = ("| data set | n | trust | m/r | per-silo | without DP (FedAvg) | full-DP ε=1 | "
             "joint-DP ε=1 | joint-DP ε=3 | joint-DP ε=8 | full-DP ε=3 | full-DP ε=8 |")
     lines = [head, "|" + "---|" * 12]
     dp_rows = [r for r in rows if r["method"] in ("full-dp", "joint-dp")]
-    for ds, n, trust, ub in sorted({(r["dataset"], int(r["owners"]), r["trust"], _user_batch(r))
-                                    for r in dp_rows}):
+    for ds, n, trust, ub, lr in sorted({(r["dataset"], int(r["owners"]), r["trust"], _user_batch(r),
+                                         cell_of(r).lr) for r in dp_rows}):
         everything = [r for r in rows if r["dataset"] == ds and int(r["owners"]) == n]
-        block = [r for r in everything if _user_batch(r) == ub]
+        block = [r for r in everything if _user_batch(r) == ub and cell_of(r).lr == lr]
         base = [r for r in baselines if r["dataset"] == ds and int(r["owners"]) == n]
         silo = _latest(everything, method="per-silo") or _latest(base, method="per-silo")
         fed = _latest(everything, method="fedavg") or _latest(base, method="fedavg")
         mrs = {_mr(r) for r in dp_rows if r in block and r["trust"] == trust}
-        if not ub and any(float(r["epsilon"]) == 1.0 and _figure_point(r, n, m, trust)
+        if not ub and not lr and any(float(r["epsilon"]) == 1.0 and _figure_point(r, n, m, trust)
                           for r in base for m in ("full-dp", "joint-dp")):
             mrs.add(1)
-        label = f"{trust}, {ub:g} users/batch" if ub else trust
+        label = trust + (f", {ub:g} users/batch" if ub else "") + (f", lr {lr:g}" if lr else "")
         mrs = sorted(mrs)
         for i, mr in enumerate(mrs):
             cells = ["", ""] if i else [_fmt(silo) if silo else "not run", _fmt(fed) if fed else "not run"]
@@ -300,7 +302,7 @@ def table4(rows: list[dict[str, str]], baselines: list[dict[str, str]] = ()) -> 
                 hit = _latest([r for r in block if float(r["epsilon"]) == eps and _mr(r) == mr],
                               method=method, trust=trust)
                 mark = ""
-                if not hit and mr == 1 and not ub:  # record level at epsilon = 1: Table 1's own cell
+                if not hit and mr == 1 and not ub and not lr:  # record level at epsilon = 1: Table 1's own cell
                     hit = _latest([r for r in base if float(r["epsilon"]) == eps and _mr(r) == 1
                                    and _figure_point(r, n, method, trust)])
                     mark = " T1" if hit else ""

@@ -39,7 +39,7 @@ of single runs), and adapting each owner's final model to its own records
 (``finetune-epochs`` 20, 100: 100 epochs gain with FC1 personal, not with Conv1, Conv2 and
 FC1 personal); and at n = 4, m/r = 10 (user level) the users per DP batch (32 for
 joint DP under local noise, 64 for full DP under central noise, against 3.2 by default),
-in ``results/joint_dp/tuning.csv``. A cell's ``personal_lr``,
+in ``results/joint_dp/tuning.csv``. A cell's ``lr`` (shared learning rate), ``personal_lr``,
 ``ema_decay`` and ``user_batch`` (users per DP batch at the user level, run-config
 ``user-batch-size``) override :data:`HPARAMS` for settings chosen that way, and its
 ``finetune_epochs`` and ``finetune_lr`` (joint DP only) adapt each owner's evaluated
@@ -65,7 +65,7 @@ TRUST = ("local", "central")
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "seeds", "acc_mean", "acc_std",
            "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds", "coupling",
            "personal_learning_rate", "ema_decay", "user_batch_size", "finetune_epochs",
-           "finetune_learning_rate")
+           "finetune_learning_rate", "learning_rate")
 COUPLINGS = ("decoupled", "interleaved")
 
 #: The paper's Table 3: n -> (local epochs E, global rounds T).
@@ -141,6 +141,10 @@ class Cell:
     #: (``finetune-learning-rate``). The adapted copy is never sent: no privacy cost.
     finetune_epochs: int = 0
     finetune_lr: float = FINETUNE_LEARNING_RATE
+    #: The learning rate of the shared (DP) parameters, chosen on validation
+    #: (run-config ``learning-rate``; 0 = the HPARAMS value). A post-processing choice:
+    #: z and the ledger do not depend on it.
+    lr: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -177,11 +181,20 @@ class Cell:
             object.__setattr__(self, "finetune_lr", FINETUNE_LEARNING_RATE)  # unused: one cell whatever was given
         if self.personal_lr == self.hparams["personal-learning-rate"]:
             object.__setattr__(self, "personal_lr", 0.0)  # the default spelt out: same cell
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--learning-rate must be > 0 (0 = default), got {self.lr}")
+        if self.lr == self.hparams["learning-rate"]:
+            object.__setattr__(self, "lr", 0.0)  # the default spelt out: same cell
 
     @property
     def hparams(self) -> dict[str, Any]:
         """The :data:`HPARAMS` entry of this cell (before its overrides)."""
         return hparams_for(self.method, self.trust)
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the shared parameters the cell runs with."""
+        return self.lr or float(self.hparams["learning-rate"])
 
     @property
     def personal_learning_rate(self) -> float:
@@ -198,6 +211,7 @@ class Cell:
         return (f"{self.dataset}-n{self.owners}-{self.method}-{self.trust}-{eps}"
                 f"-mr{self.records_per_user}-{self.personal}"
                 + ("-interleaved" if self.method == "joint-dp" and self.coupling == "interleaved" else "")
+                + (f"-lr{self.lr:g}" if self.lr else "")
                 + (f"-plr{self.personal_lr:g}" if self.personal_lr else "")
                 + (f"-ema{self.ema_decay:g}" if self.ema_decay else "")
                 + (f"-ub{self.user_batch:g}" if self.user_batch else "")
@@ -243,6 +257,7 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
         cfg["personal-layers"] = PERSONAL_RULES[cell.personal]
         cfg["personal-coupling"] = cell.coupling
     cfg.update(cell.hparams)
+    cfg["learning-rate"] = cell.learning_rate
     cfg["personal-learning-rate"] = cell.personal_learning_rate
     if cell.ema_decay:
         cfg["ema-decay"] = cell.ema_decay
@@ -320,6 +335,7 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
         "coupling": cell.coupling if cell.method == "joint-dp" else "-",
         "personal_learning_rate": f"{cell.personal_learning_rate:g}", "ema_decay": f"{cell.ema_decay:g}",
         "user_batch_size": f"{cell.user_batch:g}", **finetune_columns(cell.finetune_epochs, cell.finetune_lr),
+        "learning_rate": f"{cell.learning_rate:g}",
     }
     if {k: str(row.get(k, "")) for k in COLUMNS} in upgrade_table(out / table):
         print(f"[{cell.name}] every seed reused: {table} already holds this row", flush=True)
@@ -348,10 +364,11 @@ def append_row(path: Path, row: dict[str, Any], columns: tuple[str, ...] = COLUM
 def _columns_added_since(row: dict[str, str]) -> dict[str, str]:
     """Values of the :data:`COLUMNS` added after the first tables were written, at
     what those rows' runs used: the HPARAMS personal learning rate, no moving average,
-    the default user batch (``user_batch_size`` 0), no adaptation before evaluation."""
-    plr = hparams_for(row["method"], row.get("trust", ""))["personal-learning-rate"]
-    return {"personal_learning_rate": f"{plr:g}", "ema_decay": "0", "user_batch_size": "0",
-            **finetune_columns(0, 0.0)}
+    the default user batch (``user_batch_size`` 0), no adaptation before evaluation, the
+    HPARAMS learning rate of the shared parameters."""
+    hp = hparams_for(row["method"], row.get("trust", ""))
+    return {"personal_learning_rate": f"{hp['personal-learning-rate']:g}", "ema_decay": "0",
+            "user_batch_size": "0", **finetune_columns(0, 0.0), "learning_rate": f"{hp['learning-rate']:g}"}
 
 
 def upgrade_table(path: Path, columns: tuple[str, ...] = COLUMNS,
