@@ -39,6 +39,8 @@ of single runs), and adapting each owner's final model to its own records
 (``finetune-epochs`` 20, 100: 100 epochs gain with FC1 personal, not with Conv1, Conv2 and
 FC1 personal); and at n = 4, m/r = 10 (user level) the users per DP batch (32 for
 joint DP under local noise, 64 for full DP under central noise, against 3.2 by default),
+and at n = 256, m/r = 10 (user level, local noise) joint DP's shared learning rate
+(0.0015625 to 0.05; 0.003125 chosen: the owners' updates are mostly noise there),
 in ``results/joint_dp/tuning.csv``. A cell's ``lr`` (shared learning rate), ``personal_lr``,
 ``ema_decay`` and ``user_batch`` (users per DP batch at the user level, run-config
 ``user-batch-size``) override :data:`HPARAMS` for settings chosen that way, and its
