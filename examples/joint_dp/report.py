@@ -284,9 +284,9 @@ def table4(rows: list[dict[str, str]], baselines: list[dict[str, str]] = ()) -> 
     lines = [head, "|" + "---|" * 12]
     dp_rows = [r for r in rows if r["method"] in ("full-dp", "joint-dp")]
     for ds, n, trust, ub, lr in sorted({(r["dataset"], int(r["owners"]), r["trust"], _user_batch(r),
-                                         cell_of(r).lr) for r in dp_rows}):
+                                         _chosen_lr(r)) for r in dp_rows}):
         everything = [r for r in rows if r["dataset"] == ds and int(r["owners"]) == n]
-        block = [r for r in everything if _user_batch(r) == ub and cell_of(r).lr == lr]
+        block = [r for r in everything if _user_batch(r) == ub and _chosen_lr(r) == lr]
         base = [r for r in baselines if r["dataset"] == ds and int(r["owners"]) == n]
         silo = _latest(everything, method="per-silo") or _latest(base, method="per-silo")
         fed = _latest(everything, method="fedavg") or _latest(base, method="fedavg")
@@ -319,6 +319,11 @@ def table4(rows: list[dict[str, str]], baselines: list[dict[str, str]] = ()) -> 
 def _user_batch(row: dict[str, str]) -> float:
     """Users per DP batch a row's runs were given (0: the default, batch / m/r)."""
     return float(row.get("user_batch_size") or 0.0)
+
+
+def _chosen_lr(row: dict[str, str]) -> float:
+    """Shared learning rate a row's runs were given, if chosen on validation (0: HPARAMS')."""
+    return cell_of(row).lr
 
 
 def _mr(row: dict[str, str]) -> int:

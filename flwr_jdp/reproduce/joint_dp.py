@@ -144,8 +144,10 @@ class Cell:
     finetune_epochs: int = 0
     finetune_lr: float = FINETUNE_LEARNING_RATE
     #: The learning rate of the shared (DP) parameters, chosen on validation
-    #: (run-config ``learning-rate``; 0 = the HPARAMS value). A post-processing choice:
-    #: z and the ledger do not depend on it.
+    #: (run-config ``learning-rate``; 0 = the HPARAMS value). It scales the noisy
+    #: update, so z and the ledger's events do not depend on it; the search that chose
+    #: it read the owners' training records and is not in the ledger (as for every
+    #: setting chosen on validation here).
     lr: float = 0.0
 
     def __post_init__(self) -> None:
