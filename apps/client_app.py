@@ -35,6 +35,7 @@ from .owner_state import (
     personal_fit_on,
     public_personal,
     save_personal,
+    shared_arrays,
     shared_digest,
     trained_rounds,
 )
@@ -83,7 +84,7 @@ def train(msg: Message, context: Context) -> Message:
     steps = dict(zip(wanted, cfg_rec.get(protocol.STEPS, []), strict=False))
     z = float(cfg_rec.get(protocol.NOISE_MULTIPLIER, 0.0))
     session = str(cfg_rec.get(protocol.SESSION, ""))
-    shared = msg.content[protocol.SHARED]
+    shared = shared_arrays(msg.content[protocol.SHARED])  # deserialised once per message
     data = owner_data(cfg)
     reply = RecordDict()
     digest = shared_digest(shared) if cfg.decoupled else ""
@@ -118,7 +119,7 @@ def evaluate_owners(msg: Message, context: Context) -> Message:
     (adapting every owner every round would multiply the cost of a run)."""
     torch.set_num_threads(1)
     cfg = node_job_config(context)
-    shared = msg.content[protocol.SHARED]
+    shared = shared_arrays(msg.content[protocol.SHARED])  # deserialised once per message
     session = str(msg.content[protocol.CONFIG].get(protocol.SESSION, ""))
     data = owner_data(cfg)
     reply = RecordDict()

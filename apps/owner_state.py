@@ -14,6 +14,7 @@ personal state instead of a fresh one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -72,11 +73,19 @@ def my_owners(cfg: JobConfig, context: Context) -> list[int]:
     return protocol.hosted_owners(cfg.num_owners, pid, nparts)
 
 
-def new_model(cfg: JobConfig, data: OwnerData) -> tuple[nn.Module, ParamSplit]:
-    """The seeded initial model and its shared/personal split."""
-    model = build_model(cfg.model, data.x_train.shape[1:], num_classes(cfg), cfg.norm, cfg.seed)
+@functools.lru_cache(maxsize=8)
+def _initial_model(cfg: JobConfig, shape: tuple[int, ...]) -> tuple[nn.Module, ParamSplit]:
+    model = build_model(cfg.model, shape, num_classes(cfg), cfg.norm, cfg.seed)
     split = split_parameters(model, cfg.effective_personal_rule, allow_empty=cfg.method != "joint-dp")
     return model, split
+
+
+def new_model(cfg: JobConfig, data: OwnerData) -> tuple[nn.Module, ParamSplit]:
+    """The seeded initial model and its shared/personal split: a fresh copy of a
+    model built once per process and configuration (seeding and initialising a
+    model costs more than copying one)."""
+    model, split = _initial_model(cfg, tuple(data.x_train.shape[1:]))
+    return copy.deepcopy(model), split
 
 
 @functools.lru_cache(maxsize=8)
@@ -93,14 +102,26 @@ def public_personal(cfg: JobConfig, data: OwnerData) -> dict[str, np.ndarray]:
     return {k: v.copy() for k, v in _public_personal(cfg, tuple(data.x_train.shape[1:]))}
 
 
-def shared_digest(shared: ArrayRecord | None) -> str:
+SharedArrays = ArrayRecord | dict[str, np.ndarray] | None
+
+
+def shared_arrays(shared: SharedArrays) -> dict[str, np.ndarray]:
+    """Broadcast shared arrays by name (an ArrayRecord is deserialised once here,
+    so that a message's handler can reuse the result for every owner it hosts)."""
+    if shared is None:
+        return {}
+    if isinstance(shared, ArrayRecord):
+        return dict(zip(shared.keys(), shared.to_numpy_ndarrays(), strict=False))
+    return dict(shared)
+
+
+def shared_digest(shared: SharedArrays) -> str:
     """Fingerprint of broadcast shared arrays (which global model personal
     parameters were last fitted against)."""
     h = hashlib.sha256()
-    if shared is not None:
-        for name, arr in zip(shared.keys(), shared.to_numpy_ndarrays(), strict=False):
-            h.update(name.encode())
-            h.update(np.ascontiguousarray(arr).tobytes())
+    for name, arr in shared_arrays(shared).items():
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()[:32]
 
 
@@ -150,7 +171,7 @@ def _save_to_disk(session: str, context: Context, owner_id: int, arrays: dict, r
 
 
 def load_owner_model(
-    cfg: JobConfig, context: Context, data: OwnerData, shared: ArrayRecord | None,
+    cfg: JobConfig, context: Context, data: OwnerData, shared: SharedArrays,
     session: str = "",
 ) -> tuple[nn.Module, ParamSplit]:
     """Model = global shared arrays + this owner's personal arrays from state
@@ -162,8 +183,9 @@ def load_owner_model(
     if key in context.state:
         personal = context.state[key].to_numpy_ndarrays()
         set_arrays(model, dict(zip(split.personal, personal, strict=False)))
-    if shared is not None and len(shared):
-        set_arrays(model, dict(zip(shared.keys(), shared.to_numpy_ndarrays(), strict=False)))
+    arrays = shared_arrays(shared)
+    if arrays:
+        set_arrays(model, arrays)
     return model, split
 
 

@@ -65,6 +65,10 @@ class JointDP(Strategy):
         ``(image_shape, num_classes) -> nn.Module``; defaults to the seed CNN.
     ledger : PrivacyLedger, optional
         Where releases are recorded; a new one at ``cfg.delta`` by default.
+    node_settle_s : float
+        At start-up, how long the count of connected nodes must stay unchanged
+        before the set-up query goes out (skipped once there are as many nodes as
+        owners; 0: query at once).
     """
 
     def __init__(
@@ -72,8 +76,10 @@ class JointDP(Strategy):
         cfg: JobConfig,
         model_fn: ModelFn | None = None,
         ledger: PrivacyLedger | None = None,
+        node_settle_s: float = 1.0,
     ) -> None:
         self.cfg = cfg
+        self.node_settle_s = node_settle_s
         self.model_fn = model_fn or (
             lambda shape, classes: build_model(cfg.model, shape, classes, cfg.norm, cfg.seed)
         )
@@ -105,6 +111,7 @@ class JointDP(Strategy):
         shape, classes = None, None
         queried: set[int] = set()
         deadline = time.time() + timeout
+        self._wait_for_nodes(grid, deadline)
         while True:  # nodes may still be joining: query each new node once
             nodes = [n for n in grid.get_node_ids() if n not in queried]
             if nodes:
@@ -148,6 +155,25 @@ class JointDP(Strategy):
                 "%d rounds (%s accountant)", self.noise_multiplier, self.cfg.target_epsilon,
                 self.cfg.delta, self.cfg.num_rounds, self.cfg.accountant)
         return initial
+
+    def _wait_for_nodes(self, grid: Grid, deadline: float, poll: float = 0.1) -> None:
+        """Before the first query, let connecting nodes arrive: wait until as many
+        nodes as owners are connected (no more can host an owner) or the count has
+        not changed for ``node_settle_s`` seconds. Nodes that join later are still
+        queried (see :meth:`setup`); this only saves a second round trip at start-up."""
+        settle = self.node_settle_s
+        if settle <= 0:
+            return
+        count, since = -1, time.time()
+        while time.time() < deadline:
+            now = len(list(grid.get_node_ids()))
+            if now >= self.cfg.num_owners:
+                return
+            if now != count:
+                count, since = now, time.time()
+            elif now > 0 and time.time() - since >= settle:
+                return
+            time.sleep(poll)
 
     def _register_node(self, reply: Message) -> tuple[tuple[int, ...], int] | None:
         """Record the owners a node hosts; return (image shape, classes) if any."""

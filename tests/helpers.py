@@ -19,7 +19,7 @@ def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None, node_config=
     """Return (strategy, grid, result) after a full run."""
     cfg = parse_config(run_config)
     grid = InProcessGrid(client_app, num_nodes, run_config, fault=fault, node_config=node_config)
-    strategy = JointDP(cfg)
+    strategy = JointDP(cfg, node_settle_s=0.0)  # in-process nodes all exist at once
     result = strategy.start(grid=grid)
     return strategy, grid, result
 

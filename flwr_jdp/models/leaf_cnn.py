@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .pooling import MaxPool2x2
+
 
 class LeafCNN(nn.Module):
     """Two 5x5 conv layers with max-pooling, then two fully connected layers."""
@@ -20,7 +22,7 @@ class LeafCNN(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(1, channels[0], 5, padding=2)
         self.conv2 = nn.Conv2d(channels[0], channels[1], 5, padding=2)
-        self.pool = nn.MaxPool2d(2)
+        self.pool = MaxPool2x2()
         self.fc1 = nn.Linear(channels[1] * 7 * 7, hidden)
         self.fc2 = nn.Linear(hidden, num_classes)
 

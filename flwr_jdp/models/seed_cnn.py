@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .pooling import MaxPool2x2
+
 DEFAULT_PERSONAL_RULE = r"^fc1\."
 
 
@@ -32,17 +34,29 @@ class SeedCNN(nn.Module):
         self.norm1 = nn.GroupNorm(4, 16) if norm == "group" else nn.Identity()
         self.conv2 = nn.Conv2d(16, 32, 5, padding=2)
         self.norm2 = nn.GroupNorm(4, 32) if norm == "group" else nn.Identity()
-        self.pool = nn.MaxPool2d(2)
+        self.pool = MaxPool2x2()
         side = image_size // 2 // 2
         features = 32 * side * side
         self.fc1 = nn.Linear(features, num_classes)
         self.fc2 = nn.Linear(features, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    #: Parameter-name prefixes read by :meth:`head`; every other parameter is read
+    #: by :meth:`trunk`. The trunk treats each record on its own (GroupNorm, no
+    #: dropout), so its output for a record does not depend on the batch.
+    HEAD_PREFIXES = ("fc1.", "fc2.")
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        """Convolutional features of each record, flattened."""
         x = self.pool(torch.relu(self.norm1(self.conv1(x))))
         x = self.pool(torch.relu(self.norm2(self.conv2(x))))
-        x = torch.flatten(x, 1)
-        return 0.5 * (self.fc1(x) + self.fc2(x))
+        return torch.flatten(x, 1)
+
+    def head(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits: the mean of the two heads."""
+        return 0.5 * (self.fc1(features) + self.fc2(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
 
 
 def build_model(name: str, image_shape: tuple[int, int, int], num_classes: int, norm: str, seed: int) -> nn.Module:

@@ -92,9 +92,45 @@ def fit_personal(model: nn.Module, split: ParamSplit, data: OwnerData, cfg: JobC
     """
     params = dict(model.named_parameters())
     personal = [params[n] for n in split.personal]
+    if _head_only(model, split):
+        # The trunk is frozen and per-record: compute its features once and train
+        # the head on them (same batches, same updates, one trunk pass in all).
+        head = _Head(model)
+        features = trunk_features(model, data.x_train)
+        return train_plain(head, personal, features, data.y_train, epochs=cfg.local_epochs,
+                           batch_size=cfg.batch_size, lr=cfg.personal_learning_rate,
+                           generator=generator)
     return train_plain(model, personal, data.x_train, data.y_train, epochs=cfg.local_epochs,
                        batch_size=cfg.batch_size, lr=cfg.personal_learning_rate,
                        generator=generator)
+
+
+class _Head(nn.Module):
+    """``model.head`` as a module (its parameters are the model's)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model.head(features)
+
+
+def _head_only(model: nn.Module, split: ParamSplit) -> bool:
+    """True if ``model`` splits into a per-record ``trunk`` and a ``head`` (its
+    ``HEAD_PREFIXES``) and every personal parameter is in the head."""
+    prefixes = getattr(model, "HEAD_PREFIXES", None)
+    if not prefixes or not callable(getattr(model, "trunk", None)):
+        return False
+    return bool(split.personal) and all(n.startswith(tuple(prefixes)) for n in split.personal)
+
+
+@torch.no_grad()
+def trunk_features(model: nn.Module, x: np.ndarray, batch_size: int = 512) -> np.ndarray:
+    """``model.trunk`` of every record of ``x`` (in chunks of ``batch_size``)."""
+    xt = torch.from_numpy(np.ascontiguousarray(x))
+    chunks = [model.trunk(xt[i : i + batch_size]) for i in range(0, len(xt), batch_size)]
+    return torch.cat(chunks).numpy()
 
 
 def adapted_model(model: nn.Module, data: OwnerData, cfg: JobConfig,

@@ -1,0 +1,134 @@
+"""Speed-ups that must not change a single number: the no-grad pooling path, the
+personal-head fit on cached trunk features, the written-out SGD step and the
+per-process model template."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flwr_jdp.apps.owner_state import new_model, owner_data, shared_arrays, shared_digest
+
+from flwr_jdp.config import parse_config
+from flwr_jdp.models.pooling import MaxPool2x2
+from flwr_jdp.params import get_arrays
+from flwr_jdp.protocol import to_record
+from flwr_jdp.training import fit_personal, train_plain
+from flwr_jdp.training.owner_round import _head_only
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 28, 28), (2, 8, 14, 14), (2, 3, 7, 7), (1, 2, 5, 6)])
+def test_maxpool_matches_torch_with_and_without_grad(shape):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen)
+    x[0, 0, 0, :2] = 1.0  # a tie inside one window
+    ref = torch.nn.MaxPool2d(2)
+    with torch.no_grad():
+        assert torch.equal(MaxPool2x2()(x), ref(x))
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out_a, out_b = MaxPool2x2()(a), ref(b)
+    assert torch.equal(out_a, out_b)
+    weights = torch.randn(out_a.shape, generator=gen)
+    (out_a * weights).sum().backward()
+    (out_b * weights).sum().backward()
+    assert torch.equal(a.grad, b.grad)
+
+
+def test_train_plain_is_torch_sgd():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    twin = copy.deepcopy(model)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(37, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=37)
+    train_plain(model, list(model.parameters()), x, y, epochs=3, batch_size=8, lr=0.1,
+                generator=torch.Generator().manual_seed(4))
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(4)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for _ in range(3):
+        order = torch.randperm(len(yt), generator=gen)
+        for start in range(0, len(yt), 8):
+            idx = order[start : start + 8]
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(twin(xt[idx]), yt[idx]).backward()
+            opt.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("rule,head_only", [(r"^fc1\.", True), (r"^(conv1|fc1)\.", False)])
+def test_fit_personal_on_cached_features_equals_full_model(run_config, rule, head_only):
+    cfg = parse_config({**run_config, "method": "joint-dp", "personal-layers": rule,
+                        "local-epochs": 2, "batch-size": 7})
+    data = owner_data(cfg)[1]
+    model, split = new_model(cfg, data)
+    assert _head_only(model, split) is head_only
+    twin = copy.deepcopy(model)
+    fit_personal(model, split, data, cfg, torch.Generator().manual_seed(5))
+    params = dict(twin.named_parameters())
+    train_plain(twin, [params[n] for n in split.personal], data.x_train, data.y_train,
+                epochs=2, batch_size=7, lr=cfg.personal_learning_rate,
+                generator=torch.Generator().manual_seed(5))
+    after, ref = get_arrays(model, split.personal), get_arrays(twin, split.personal)
+    for n in split.personal:
+        np.testing.assert_allclose(after[n], ref[n], rtol=0, atol=1e-6)
+    assert any(not np.array_equal(after[n], get_arrays(new_model(cfg, data)[0], split.personal)[n])
+               for n in split.personal)  # the fit did move the personal parameters
+    for n in split.shared:  # shared parameters untouched
+        np.testing.assert_array_equal(get_arrays(model, (n,))[n], get_arrays(twin, (n,))[n])
+
+
+def test_new_model_copies_are_independent(run_config):
+    cfg = parse_config({**run_config, "method": "joint-dp"})
+    data = owner_data(cfg)[0]
+    first, split = new_model(cfg, data)
+    with torch.no_grad():
+        for p in first.parameters():
+            p.add_(1.0)
+    second, _ = new_model(cfg, data)
+    assert all(not torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters(), strict=True))
+    from flwr_jdp.models import build_model
+    fresh = build_model(cfg.model, data.x_train.shape[1:], 10, cfg.norm, cfg.seed)
+    for p, q in zip(second.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_shared_digest_same_for_record_and_arrays(run_config):
+    cfg = parse_config({**run_config, "method": "joint-dp"})
+    model, split = new_model(cfg, owner_data(cfg)[0])
+    arrays = get_arrays(model, split.shared)
+    record = to_record(arrays)
+    assert shared_digest(record) == shared_digest(arrays) == shared_digest(shared_arrays(record))
+    assert shared_digest(None) == shared_digest({})
+
+
+class _JoiningGrid:
+    """A grid whose nodes connect one per ``get_node_ids`` call, up to ``total``."""
+
+    def __init__(self, total):
+        self.total, self.calls = total, 0
+
+    def get_node_ids(self):
+        self.calls += 1
+        return list(range(min(self.total, self.calls)))
+
+
+@pytest.mark.parametrize("total,owners,settle", [
+    (4, 4, 60.0),  # as many nodes as owners: no more can come, stop at once
+    (2, 8, 0.3),   # fewer nodes than owners: stop once the count has settled
+    (3, 3, 0.0),   # settle 0: no wait at all
+])
+def test_wait_for_nodes(run_config, total, owners, settle):
+    from flwr_jdp.strategies import JointDP
+
+    strategy = JointDP(parse_config({**run_config, "num-owners": owners}), node_settle_s=settle)
+    grid = _JoiningGrid(total)
+    strategy._wait_for_nodes(grid, deadline=float("inf"), poll=0.01)
+    if settle == 0:
+        assert grid.calls == 0
+    elif total >= owners:
+        assert grid.calls == owners  # returned on the call that saw the last node
+    else:
+        assert grid.calls > total + 1  # kept polling after the last node, then stopped
