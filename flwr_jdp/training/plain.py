@@ -45,8 +45,8 @@ def train_plain(
     """Mini-batch SGD on ``params`` for ``epochs`` epochs; returns the mean loss.
 
     The update is plain SGD (``p -= lr * grad``, what ``torch.optim.SGD`` does
-    without momentum or weight decay), written out: building an optimizer costs
-    more than a small owner's whole epoch."""
+    without momentum or weight decay, bit for bit), written out to save building an
+    optimizer on every call (thousands of calls per round at hundreds of owners)."""
     if not params or len(y) == 0:
         return float("nan")
     xt, yt = to_tensors(x, y)
