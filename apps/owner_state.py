@@ -88,18 +88,13 @@ def new_model(cfg: JobConfig, data: OwnerData) -> tuple[nn.Module, ParamSplit]:
     return copy.deepcopy(model), split
 
 
-@functools.lru_cache(maxsize=8)
-def _public_personal(cfg: JobConfig, shape: tuple[int, ...]) -> tuple[tuple[str, np.ndarray], ...]:
-    model = build_model(cfg.model, shape, num_classes(cfg), cfg.norm, cfg.seed)
-    split = split_parameters(model, cfg.effective_personal_rule, allow_empty=cfg.method != "joint-dp")
-    return tuple(get_arrays(model, split.personal).items())
-
-
 def public_personal(cfg: JobConfig, data: OwnerData) -> dict[str, np.ndarray]:
     """The seeded initial values of the personal parameters: public (every node
     derives them from the run config alone), so a release computed with them does
-    not depend on any owner's personal state."""
-    return {k: v.copy() for k, v in _public_personal(cfg, tuple(data.x_train.shape[1:]))}
+    not depend on any owner's personal state. Read from the per-process initial
+    model (never handed out, only copied), so they are fresh copies."""
+    model, split = _initial_model(cfg, tuple(data.x_train.shape[1:]))
+    return dict(get_arrays(model, split.personal))
 
 
 SharedArrays = ArrayRecord | dict[str, np.ndarray] | None

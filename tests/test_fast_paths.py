@@ -132,3 +132,16 @@ def test_wait_for_nodes(run_config, total, owners, settle):
         assert grid.calls == owners  # returned on the call that saw the last node
     else:
         assert grid.calls > total + 1  # kept polling after the last node, then stopped
+
+
+def test_fit_personal_with_no_records_is_a_no_op(run_config):
+    import dataclasses
+
+    cfg = parse_config({**run_config, "method": "joint-dp"})
+    data = owner_data(cfg)[0]
+    empty = dataclasses.replace(data, x_train=data.x_train[:0], y_train=data.y_train[:0])
+    model, split = new_model(cfg, data)
+    before = get_arrays(model, split.personal)
+    assert np.isnan(fit_personal(model, split, empty, cfg, torch.Generator().manual_seed(0)))
+    for n, v in get_arrays(model, split.personal).items():
+        np.testing.assert_array_equal(v, before[n])

@@ -92,7 +92,7 @@ def fit_personal(model: nn.Module, split: ParamSplit, data: OwnerData, cfg: JobC
     """
     params = dict(model.named_parameters())
     personal = [params[n] for n in split.personal]
-    if _head_only(model, split):
+    if _head_only(model, split) and len(data.y_train):
         # The trunk is frozen and per-record: compute its features once and train
         # the head on them (same batches, same updates, one trunk pass in all).
         head = _Head(model)
