@@ -19,6 +19,7 @@ from flwr_jdp.subject.config import parse_subject_config
 from flwr_jdp.subject.group_privacy import (
     group_noise_multiplier,
     group_to_record_budget,
+    noise_per_subject_sensitivity,
     record_to_group_budget,
 )
 from flwr_jdp.subject.silos import assign_records, subject_silo_counts
@@ -29,6 +30,7 @@ from flwr_jdp.training.subject_level import (
     SiloData,
     SiloPlan,
     group_size,
+    record_batch,
     subject_batch,
     train_silo_round,
 )
@@ -91,6 +93,41 @@ def test_sigma_z_matches_the_group_privacy_conversion() -> None:
         assert epsilon(smaller, delta_z) > eps_z
     sigmas = [group_noise_multiplier(z, big_e, big_d, q, steps) for z in (1, 2, 3, 5)]
     assert sigmas == sorted(sigmas)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_local_group_dp_subject_moves_the_sum_by_at_most_z_c(seed: int) -> None:
+    """LocalGroupDP sums clipped *records*: removing one subject moves the sum by at
+    most Z C, Z the batch's group size, so sigma_Z / Z is its noise per unit of
+    subject sensitivity (what ``noise_per_subject_sensitivity`` reports)."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    gsm = GradSampleModule(model, loss_reduction="sum")
+    params = list(gsm.parameters())
+    n = int(rng.integers(10, 40))
+    x, y = torch.randn(n, 4) * 10, torch.from_numpy(rng.integers(0, 3, n))
+    subjects = torch.from_numpy(rng.integers(0, 4, n))
+    c = float(rng.uniform(0.1, 2.0))
+
+    def record_sum(records: torch.Tensor) -> torch.Tensor:
+        for p in params:
+            p.grad, p.grad_sample = None, None
+        F.cross_entropy(gsm(x[records]), y[records], reduction="sum").backward()
+        return torch.cat([s.flatten() for s in clipped_unit_sum(params, record_batch(records), c)])
+
+    records = torch.arange(n)
+    z = group_size(subject_batch(records, subjects))
+    full = record_sum(records)
+    moves = [float(torch.linalg.norm(full - record_sum(records[subjects != a]))) for a in torch.unique(subjects)]
+    gsm._close()  # noqa: SLF001
+    assert max(moves) <= z * c * (1 + 1e-5)
+    assert max(moves) > c  # a subject with several aligned-enough records moves it by more than C
+    rows = noise_per_subject_sensitivity(4.0, 1e-5, 0.05, 200, 3)
+    assert [g for g, _, _ in rows] == [1, 2, 3]
+    for g, sigma, ratio in rows:
+        assert sigma == group_noise_multiplier(g, 4.0, 1e-5, 0.05, 200)
+        assert ratio == pytest.approx(sigma / g)
 
 
 def test_power_assignment_concentrates_subjects() -> None:

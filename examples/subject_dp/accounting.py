@@ -13,6 +13,13 @@ alpha) and ``results/subject_dp/accounting.csv`` (one row per alpha and mode; ro
 same alpha and mode are replaced); Shakespeare files are prefixed ``shakespeare_``. Modes: ``exact``, ``scaled-steps`` and
 ``sqrt-rounds`` with subject inclusion rates (this project), and ``sqrt-rounds`` /
 ``scaled-steps`` with the paper's record rate (``inclusion = record``).
+
+``--group-noise`` also writes ``local_group_noise.csv``: LocalGroupDP's ``sigma_Z`` for
+every group size ``Z`` up to the most records of one writer at one silo (its
+``scaled-steps`` budget, as the runs use it), ``sigma_Z / Z`` (its noise per unit of the
+sensitivity ``Z C`` of a subject with ``Z`` records in the batch), and the exact
+subject-level epsilon of a Gaussian sum at the smallest of those ratios: what our
+accountant certifies for LocalGroupDP's noise when its data-dependent ``Z`` is ignored.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import numpy as np
 
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import SubjectDPConfig
+from flwr_jdp.subject.group_privacy import noise_per_subject_sensitivity
 from flwr_jdp.subject.plan import make_plan, sample_rates
 
 MODES = {f"{a}/{i}": (a, i) for a, i in [("exact", "subject"), ("scaled-steps", "subject"),
@@ -71,6 +79,26 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def group_noise_rows(alpha: float, data_dir: str, dataset: str = "femnist") -> list[dict]:
+    """LocalGroupDP's noise per unit of subject sensitivity at ``alpha`` (one row per
+    group size), each with the epsilon bound at the smallest ratio (same on every row)."""
+    cfg = SubjectDPConfig(method="local-group-dp", accounting="scaled-steps", alpha=alpha,
+                          data_dir=data_dir, dataset=dataset)
+    counts = sd.all_counts(cfg)
+    plan = make_plan(cfg, counts)
+    q = max(plan.sample_rates)
+    ratios = noise_per_subject_sensitivity(cfg.target_epsilon, cfg.delta, q, plan.calibration_steps,
+                                           int(counts.max()))
+    z_min = min(r for _, _, r in ratios)
+    exact = SubjectDPConfig(method="higradavg-dp", accounting="exact", alpha=alpha, data_dir=data_dir,
+                            dataset=dataset, noise_multiplier=z_min)
+    bound = make_plan(exact, counts)
+    return [{"alpha": alpha, "group_size": g, "sigma_z": round(s, 4), "sigma_z_per_group_size": round(r, 4),
+             "sample_rate": round(q, 6), "calibration_steps": plan.calibration_steps,
+             "epsilon_claimed": cfg.target_epsilon, "epsilon_exact_at_min_ratio": round(bound.epsilon, 4),
+             "rounds": bound.rounds} for g, s, r in ratios]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default="../shared/data/femnist")
@@ -79,6 +107,8 @@ def main() -> None:
                     help="accounting/inclusion pairs to compute (none: only the subject map)")
     ap.add_argument("--dataset", choices=["femnist", "shakespeare"], default="femnist")
     ap.add_argument("--results", default="results/subject_dp")
+    ap.add_argument("--group-noise", action="store_true",
+                    help="also write local_group_noise.csv (LocalGroupDP's sigma_Z / Z and its epsilon bound)")
     args = ap.parse_args()
     prefix = "" if args.dataset == "femnist" else f"{args.dataset}_"
     out = Path(args.results) / f"{prefix}accounting.csv"
@@ -102,6 +132,13 @@ def main() -> None:
             rows.append(row)
     if rows:
         write_csv(out, [{k: r[k] for k in FIELDS} for r in rows])
+    if args.group_noise:
+        path = out.parent / f"{prefix}local_group_noise.csv"
+        kept = [r for r in csv.DictReader(path.open()) if float(r["alpha"]) not in args.alpha] if path.is_file() else []
+        new = [r for a in args.alpha for r in group_noise_rows(a, args.data_dir, args.dataset)]
+        for r in new:
+            print(r, flush=True)
+        write_csv(path, sorted(kept + new, key=lambda r: (float(r["alpha"]), int(r["group_size"]))))
 
 
 if __name__ == "__main__":

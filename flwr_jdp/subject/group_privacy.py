@@ -43,3 +43,19 @@ def group_noise_multiplier(group_size: int, epsilon: float, delta: float, sample
     record-level (E/Z, D/(Z e^{(Z-1)E/Z}))-DP."""
     eps_z, delta_z = group_to_record_budget(epsilon, delta, group_size)
     return calibrate(eps_z, delta_z, lambda z: dp_sgd(z, sample_rate, steps), accountant)
+
+
+def noise_per_subject_sensitivity(epsilon: float, delta: float, sample_rate: float, steps: int,
+                                  max_group: int, accountant: str = "pld") -> list[tuple[int, float, float]]:
+    """``(Z, sigma_Z, sigma_Z / Z)`` for ``Z = 1 .. max_group``.
+
+    A subject with ``Z`` records in a LocalGroupDP batch moves its clipped sum by up to
+    ``Z C`` while the noise is ``sigma_Z C``, so ``sigma_Z / Z`` is the noise multiplier
+    per unit of that subject's sensitivity: the number to set beside the subject-level
+    noise multiplier an accounted mechanism (HiGradAvgDP, sensitivity ``C``) needs for
+    the same budget. Every subject in a batch has at most ``Z`` records there, so a
+    batch is at least as private for every subject as a Gaussian sum of multiplier
+    ``min_Z sigma_Z / Z`` at sensitivity 1, *if* the group size ``Z`` were not read
+    from the data (it is; see the module caveat)."""
+    return [(g, s, s / g) for g in range(1, int(max_group) + 1)
+            for s in [group_noise_multiplier(g, epsilon, delta, sample_rate, steps, accountant)]]
