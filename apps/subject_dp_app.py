@@ -111,8 +111,9 @@ def train(msg: Message, context: Context) -> Message:
             return group_noise_multiplier(z, cfg.target_epsilon, cfg.delta, q, steps)
         plan = SiloPlan(cfg.method, float(q), cfg.local_steps, cfg.learning_rate, cfg.clipping_norm,
                         float(conf["noise-multiplier"]),
-                        group_noise if cfg.method == "local-group-dp" else None,
-                        sampling=cfg.sampling, records_per_subject=cfg.records_per_subject)
+                        group_noise if cfg.method == "local-group-dp" and not cfg.group_size else None,
+                        sampling=cfg.sampling, records_per_subject=cfg.records_per_subject,
+                        group_size=cfg.group_size)
         model = build_subject_model(cfg)
         load_arrays(model, arrays)
         seed = None if cfg.noise_seed < 0 else cfg.noise_seed * 1_000_003 + rnd * 1009 + int(i)

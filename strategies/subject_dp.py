@@ -11,7 +11,8 @@ one scope per Pareto-maximal subject of the subject-to-silo map, charged each ro
 silo that holds it; its epsilon is the exact maximum over subjects.
 ``local-item-dp`` records one scope per silo (record unit: silos hold disjoint
 records); ``local-group-dp`` carries the paper's claimed budget only (its noise is
-data-dependent, see :mod:`flwr_jdp.subject.group_privacy`). The plan (noise,
+data-dependent, see :mod:`flwr_jdp.subject.group_privacy`), unless it runs with a fixed
+``group-size`` ``G`` (sensitivity ``G C``), which is accounted as ``higradavg-dp``. The plan (noise,
 rounds) is fixed before round 1 (:func:`flwr_jdp.subject.plan.make_plan`).
 
 Metadata not covered by the guarantee: each silo's per-subject record counts (sent
@@ -133,7 +134,7 @@ class SubjectLevelFedAvg:
     def round_events(self) -> dict:
         """Scope -> event of one round (what the ledger charges)."""
         cfg, plan = self.cfg, self.plan
-        if not cfg.private or cfg.method == "local-group-dp":
+        if not cfg.private or (cfg.method == "local-group-dp" and not cfg.group_size):
             return {}
         if cfg.method == "local-item-dp":
             return {f"silo/{i}": dp_sgd(plan.noise_multiplier, q, cfg.local_steps)

@@ -29,6 +29,7 @@ from flwr_jdp.training.subject_level import (
     BatchStats,
     SiloData,
     SiloPlan,
+    cap_per_subject,
     group_size,
     record_batch,
     subject_batch,
@@ -120,9 +121,15 @@ def test_local_group_dp_subject_moves_the_sum_by_at_most_z_c(seed: int) -> None:
     z = group_size(subject_batch(records, subjects))
     full = record_sum(records)
     moves = [float(torch.linalg.norm(full - record_sum(records[subjects != a]))) for a in torch.unique(subjects)]
-    gsm._close()  # noqa: SLF001
     assert max(moves) <= z * c * (1 + 1e-5)
     assert max(moves) > c  # a subject with several aligned-enough records moves it by more than C
+    # a fixed group size G: at most G records of a subject stay, so it moves the sum by <= G C
+    capped = cap_per_subject(records, subjects, 2, torch.Generator().manual_seed(seed))
+    full = record_sum(capped)
+    for a in torch.unique(subjects):
+        without = capped[subjects[capped] != a]
+        assert float(torch.linalg.norm(full - record_sum(without))) <= 2 * c * (1 + 1e-5)
+    gsm._close()  # noqa: SLF001
     rows = noise_per_subject_sensitivity(4.0, 1e-5, 0.05, 200, 3)
     assert [g for g, _, _ in rows] == [1, 2, 3]
     for g, sigma, ratio in rows:
@@ -160,6 +167,56 @@ def test_every_method_trains_a_silo(method: str) -> None:
         assert stats.noise_multipliers == [2.0 * z for z in stats.group_sizes]
 
 
+def test_cap_per_subject_keeps_at_most_g_records_of_each_subject() -> None:
+    rng = np.random.default_rng(3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        subjects = torch.from_numpy(rng.integers(0, 6, 50))
+        records = torch.from_numpy(np.flatnonzero(rng.random(50) < 0.6))
+        g = int(rng.integers(1, 4))
+        kept = cap_per_subject(records, subjects, g, gen)
+        assert set(kept.tolist()) <= set(records.tolist())
+        before = np.bincount(subjects[records].numpy(), minlength=6)
+        after = np.bincount(subjects[kept].numpy(), minlength=6)
+        assert (after == np.minimum(before, g)).all()
+    # every record of a subject is kept with the same probability (uniform choice)
+    subjects = torch.zeros(4, dtype=torch.long)
+    hits = np.zeros(4)
+    for _ in range(4000):
+        hits[cap_per_subject(torch.arange(4), subjects, 1, gen).numpy()] += 1
+    assert np.all(np.abs(hits / 4000 - 0.25) < 0.03)
+
+
+def test_fixed_group_size_noise_is_scaled_to_g_c() -> None:
+    """LocalGroupDP with a fixed group size G adds noise z G C to the record sum
+    (divided by the expected batch), lr 1, no data signal."""
+    data = SiloData.from_numpy(np.zeros((50, 4)), np.zeros(50, dtype=int), np.arange(50) % 10)
+    model = nn.Linear(4, 2000, bias=False)
+    nn.init.zeros_(model.weight)
+    plan = SiloPlan("local-group-dp", 0.5, 1, 1.0, 0.5, 3.0, group_size=3)
+    stats = BatchStats()
+    train_silo_round(model, data, plan, torch.Generator().manual_seed(0), stats)
+    assert float(model.weight.std()) == pytest.approx(3.0 * 3 * 0.5 / 25, rel=0.05)
+    assert stats.group_sizes[0] <= 3 and stats.noise_multipliers == [3.0]
+    with pytest.raises(ValueError, match="group_size"):
+        SiloPlan("higradavg-dp", 0.5, 1, 1.0, 0.5, 3.0, group_size=2)
+
+
+def test_fixed_group_size_is_accounted_as_higradavg() -> None:
+    """A fixed group size G gives the same releases as HiGradAvgDP at sensitivity G C, so
+    the plan (noise multiplier, exact subject-level epsilon) is HiGradAvgDP's."""
+    from flwr_jdp.subject.config import SubjectDPConfig
+    from flwr_jdp.subject.plan import make_plan
+
+    counts = np.array([[3, 0, 1], [1, 2, 0], [0, 0, 4], [2, 2, 2]])
+    common = {"budget_rounds": 3, "batch_size": 4, "target_epsilon": 2.0, "delta": 1e-5}
+    group = make_plan(SubjectDPConfig(method="local-group-dp", accounting="exact", group_size=2, **common), counts)
+    hi = make_plan(SubjectDPConfig(method="higradavg-dp", accounting="exact", **common), counts)
+    assert group.unit == hi.unit == "subject"
+    assert group.noise_multiplier == hi.noise_multiplier > 0
+    assert group.epsilon == pytest.approx(hi.epsilon) and group.epsilon <= 2.0 * (1 + 1e-6)
+
+
 def test_user_ldp_noise_is_scaled_to_twice_c() -> None:
     """UserLDP's released gradient has noise std 2 z C (sensitivity 2C), lr 1, no data signal."""
     data = SiloData.from_numpy(np.zeros((50, 4)), np.zeros(50, dtype=int), np.arange(50))
@@ -173,6 +230,11 @@ def test_user_ldp_noise_is_scaled_to_twice_c() -> None:
 def test_subject_config_errors_name_the_key() -> None:
     with pytest.raises(ConfigError, match="accounting"):
         parse_subject_config({"method": "local-group-dp", "accounting": "exact"})
+    assert parse_subject_config({"method": "local-group-dp", "accounting": "exact", "group-size": 2}).group_size == 2
+    with pytest.raises(ConfigError, match="group-size"):
+        parse_subject_config({"method": "higradavg-dp", "group-size": 2})
+    with pytest.raises(ConfigError, match="group-size"):
+        parse_subject_config({"method": "local-group-dp", "group-size": -1})
     with pytest.raises(ConfigError, match="alpha"):
         parse_subject_config({"alpha": 0.5})
     with pytest.raises(ConfigError, match="method"):

@@ -57,6 +57,10 @@ RUNS: dict[str, dict] = {
     **{f"higradavg-subject-sampling-b{b}": {"method": "higradavg-dp", "accounting": "exact",
                                             "sampling": "subjects", "batch-size": b} for b in (32, 64, 128)},
     "local-group-dp": {"method": "local-group-dp", "accounting": "scaled-steps"},
+    # beyond the paper: a fixed public group size G (<= G records of a subject per batch,
+    # noise z G C), accounted exactly like HiGradAvgDP
+    **{f"local-group-dp-g{g}": {"method": "local-group-dp", "accounting": "exact", "group-size": g}
+       for g in (1, 2, 4)},
     "user-ldp": {"method": "user-ldp", "accounting": "exact"},
 }
 FIELDS = ["run", "method", "accounting", "inclusion", "alpha", "rounds", "noise_multiplier", "epsilon",
@@ -88,7 +92,7 @@ def run_one(name: str, alpha: float, args: argparse.Namespace, seed: int = 0) ->
     plan = summary["plan"]
     row = {"run": name, "method": cfg.method,
            "accounting": "none" if cfg.method == "fedavg" else cfg.accounting,
-           "inclusion": cfg.inclusion if cfg.method in ("higradavg-dp", "user-ldp") else "",
+           "inclusion": cfg.inclusion if cfg.method in ("higradavg-dp", "user-ldp") or cfg.group_size else "",
            "alpha": alpha, "rounds": plan["rounds"], "noise_multiplier": round(plan["noise_multiplier"], 4),
            "epsilon": round(plan["epsilon"], 4) if math.isfinite(plan["epsilon"]) else plan["epsilon"],
            "acc_final": round(summary["acc_final"], 4), "unit": plan["unit"],

@@ -79,6 +79,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 def plot_accuracy(runs: dict, out: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # more runs than the default 10 colours
     several = {n for n, a, _ in runs if a == 1.0 and sum(k[:2] == (n, a) for k in runs) > 1}
     for (name, alpha, lr), doc in sorted(runs.items()):
         if alpha != 1.0:
@@ -86,8 +87,9 @@ def plot_accuracy(runs: dict, out: Path, title: str) -> None:
         hist = [(h["round"], h["accuracy"]) for h in doc["history"] if "accuracy" in h]
         r, a = zip(*hist)
         row = doc["row"]
-        eps = row["epsilon"] if row["method"] not in ("fedavg", "local-group-dp") else None
-        noise = "sigma_Z per batch" if row["method"] == "local-group-dp" else f"z={float(row['noise_multiplier']):.3g}"
+        claimed = row["method"] == "local-group-dp" and row["accounting"] != "exact"  # data-dependent sigma_Z
+        eps = row["epsilon"] if row["method"] != "fedavg" and not claimed else None
+        noise = "sigma_Z per batch" if claimed else f"z={float(row['noise_multiplier']):.3g}"
         label = f"{name} ({noise}" + (f", eps={float(eps):.3g}" if eps else "")
         label += f", lr={lr:g})" if name in several else ")"
         ax.plot(r, a, marker=".", label=label)

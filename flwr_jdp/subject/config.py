@@ -22,6 +22,7 @@ class SubjectDPConfig:
     inclusion: str = "subject"
     sampling: str = "records"  # records (the paper's) | subjects (higradavg-dp: Poisson over subjects)
     records_per_subject: int = 1  # sampling = subjects: records each sampled subject brings (0 = all)
+    group_size: int = 0  # local-group-dp: 0 = the paper's data-dependent Z; G > 0 = fixed, accounted
     target_epsilon: float = 4.0
     delta: float = 1e-5
     budget_rounds: int = 100
@@ -77,8 +78,12 @@ class SubjectDPConfig:
              f"{self.evaluate_on!r}")
         need(self.evaluate_on == "test" or self.validation_fraction > 0, "validation-fraction",
              "> 0 with evaluate-on = validation")
-        need(not (self.method == "local-group-dp" and self.accounting == "exact"), "accounting",
-             "sqrt-rounds or scaled-steps for local-group-dp (its data-dependent noise has no exact account)")
+        need(0 <= self.group_size <= 100_000, "group-size", "in [0, 100000] (0 = the paper's per-batch Z)")
+        need(self.group_size == 0 or self.method == "local-group-dp", "group-size",
+             f"0 for method {self.method!r} (a fixed group size is for local-group-dp)")
+        need(not (self.method == "local-group-dp" and not self.group_size and self.accounting == "exact"),
+             "accounting", "sqrt-rounds or scaled-steps for local-group-dp with group-size = 0 (its "
+             "data-dependent noise has no exact account; set group-size > 0 to account it)")
         need(not (self.inclusion == "record" and self.accounting == "exact"), "inclusion",
              "'subject' with accounting = exact")
 

@@ -17,7 +17,10 @@ Computed once, by the server, before training, from the subject-to-silo counts:
   silo, so silos compose in parallel); unit = record, not subject.
 - ``local-group-dp``: ``sigma_Z`` from group privacy; ``scaled-steps`` or
   ``sqrt-rounds`` define the budget's batch count and the rounds. Its epsilon is
-  the paper's claim (data-dependent noise; see :mod:`.group_privacy`).
+  the paper's claim (data-dependent noise; see :mod:`.group_privacy`). With a fixed
+  ``group-size`` ``G > 0`` (at most ``G`` records of a subject per batch, noise
+  ``z G C``) it is planned and accounted as ``higradavg-dp`` at multiplier ``z``:
+  the same releases, with the sensitivity ``G C`` in place of ``C``.
 
 With ``sampling = subjects`` (HiGradAvgDP) each silo samples its subjects at
 ``q_i = batch-size / u_i`` (``u_i`` subjects at silo ``i``; ``batch-size`` is then the
@@ -103,7 +106,7 @@ def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld")
             target, delta, lambda z: [record_event(z, max(rates), steps * R)], accountant)
         eps = event_epsilon(record_event(z, max(rates), steps * R), delta, accountant)
         return SubjectPlan(z, R, rates, steps * R, "record", eps, nan, target)
-    if cfg.method == "local-group-dp":
+    if cfg.method == "local-group-dp" and not cfg.group_size:
         return SubjectPlan(0.0, rounds, rates, cal_steps, "subject (group DP, claimed)", nan, nan, target)
     acc = HorizontalAccountant(accounting_counts(cfg, counts), delta, accountant)
     if cfg.noise_multiplier > 0:

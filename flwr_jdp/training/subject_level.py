@@ -11,6 +11,8 @@ fedavg          mean batch gradient, no clipping, no noise        (no privacy)
 local-item-dp   (sum_r clip(g_r) + N(0, (zC)^2)) / B              C per *record*
 higradavg-dp    (sum_a mean_{r of a} clip(g_r) + N(0,(zC)^2)) / B  C per *subject*
 local-group-dp  (sum_r clip(g_r) + N(0, (sigma_Z C)^2)) / B       Z C per subject (group DP)
+  fixed G       (sum_r clip(g_r) + N(0, (z G C)^2)) / B, <= G       G C per subject
+                records of a subject per batch
 user-ldp        clip(mean batch gradient) + N(0, (z 2C)^2)         2C per subject
 ============== ================================================ ======================
 
@@ -21,7 +23,12 @@ the whole batch gradient to ``C``; removing a subject replaces one clipped vecto
 by another, so the sensitivity is ``2C`` (the paper says ``C``); the noise here is
 scaled to ``2C``. LocalGroupDP (Algorithm 3) reads the group size ``Z`` (largest
 number of records of one subject) off each batch and uses ``sigma_Z`` from
-:mod:`flwr_jdp.subject.group_privacy`.
+:mod:`flwr_jdp.subject.group_privacy`. With a fixed, public group size ``G``
+(``SiloPlan.group_size > 0``, beyond the paper) each subject keeps at most ``G`` of its
+sampled records in the batch (chosen uniformly at random), so one subject moves the
+record sum by at most ``G C`` whatever the data, and the noise ``z G C`` is data
+independent: it is accounted exactly as HiGradAvgDP at multiplier ``z`` (same
+inclusion rate, sensitivity ``G C`` in place of ``C``).
 
 Sampling (``SiloPlan.sampling``):
 
@@ -95,14 +102,18 @@ class SiloPlan:
     #: the silo's subjects (HiGradAvgDP only), ``records_per_subject`` each (0 = all)
     sampling: str = "records"
     records_per_subject: int = 1
+    #: LocalGroupDP with a fixed public group size ``G`` (0: the paper's data-dependent ``Z``)
+    group_size: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ValueError(f"sample rate must be in (0, 1], got {self.sample_rate}")
-        if self.method == "local-group-dp" and self.group_noise is None:
-            raise ValueError("local-group-dp needs group_noise")
+        if self.group_size < 0 or (self.group_size and self.method != "local-group-dp"):
+            raise ValueError(f"group_size must be 0, or > 0 for local-group-dp; got {self.group_size}")
+        if self.method == "local-group-dp" and not self.group_size and self.group_noise is None:
+            raise ValueError("local-group-dp needs group_noise (or a fixed group_size)")
         if self.sampling not in SAMPLING:
             raise ValueError(f"sampling must be one of {SAMPLING}, got {self.sampling!r}")
         if self.sampling == "subjects" and self.method != "higradavg-dp":
@@ -125,6 +136,29 @@ def poisson_records(n: int, rate: float, generator: torch.Generator) -> torch.Te
     return torch.nonzero(torch.rand(n, generator=generator) < rate, as_tuple=False).flatten()
 
 
+def rank_within_subject(subjects: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A uniformly random rank of every record among its subject's records (0, 1, ...):
+    the order of one subject's records is uniform and independent of the others'."""
+    n = len(subjects)
+    _, unit = torch.unique(subjects, return_inverse=True)
+    perm = torch.randperm(n, generator=generator)
+    order = perm[torch.sort(unit[perm], stable=True).indices]
+    counts = torch.bincount(unit[order])
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty(n, dtype=torch.long)
+    rank[order] = torch.arange(n) - torch.repeat_interleave(starts, counts)
+    return rank
+
+
+def cap_per_subject(records: torch.Tensor, subjects: torch.Tensor, cap: int,
+                    generator: torch.Generator) -> torch.Tensor:
+    """Keep at most ``cap`` of each subject's records in ``records``, chosen uniformly
+    at random (a subject's kept records depend only on its own records)."""
+    if len(records) == 0:
+        return records
+    return records[rank_within_subject(subjects[records], generator) < cap]
+
+
 def poisson_subjects(subjects: torch.Tensor, rate: float, records_per_subject: int,
                      generator: torch.Generator) -> torch.Tensor:
     """Indices of the records of a Poisson(``rate``) sample of the subjects in
@@ -140,13 +174,7 @@ def poisson_subjects(subjects: torch.Tensor, rate: float, records_per_subject: i
     ids, unit = torch.unique(subjects, return_inverse=True)
     records = poisson_sample(unit, len(ids), rate, generator).records
     if records_per_subject > 0:
-        perm = torch.randperm(n, generator=generator)  # a uniform order within each subject
-        order = perm[torch.sort(unit[perm], stable=True).indices]
-        counts = torch.bincount(unit[order], minlength=len(ids))
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.empty(n, dtype=torch.long)
-        rank[order] = torch.arange(n) - torch.repeat_interleave(starts, counts)
-        records = records[rank[records] < records_per_subject]
+        records = records[rank_within_subject(subjects, generator)[records] < records_per_subject]
     return records
 
 
@@ -196,6 +224,8 @@ def train_silo_round(model: nn.Module, data: SiloData, plan: SiloPlan, generator
     for _ in range(plan.steps):
         records = (poisson_subjects(data.subject, plan.sample_rate, plan.records_per_subject, generator)
                    if by_subjects else poisson_records(n, plan.sample_rate, generator))
+        if plan.group_size:
+            records = cap_per_subject(records, data.subject, plan.group_size, generator)
         by_subject = subject_batch(records, data.subject)
         stats.group_sizes.append(group_size(by_subject))
         stats.distinct_subjects.append(by_subject.num_units)
@@ -235,9 +265,11 @@ def _update(plan: SiloPlan, params: list[nn.Parameter], records: torch.Tensor, b
         sums = zeros if empty else clipped_unit_sum(params, by_subject, plan.clipping_norm)
     else:
         sums = zeros if empty else clipped_unit_sum(params, record_batch(records), plan.clipping_norm)
-    z = plan.noise_multiplier
-    if plan.method == "local-group-dp":
+    z, sensitivity = plan.noise_multiplier, plan.clipping_norm
+    if plan.method == "local-group-dp" and plan.group_size:
+        sensitivity = plan.group_size * plan.clipping_norm  # <= G records of a subject, each <= C
+    elif plan.method == "local-group-dp":
         z = plan.group_noise(max(1, group_size(by_subject)))
     stats.noise_multipliers.append(z)
-    mech = GaussianSumMechanism(z, plan.clipping_norm, expected)
+    mech = GaussianSumMechanism(z, sensitivity, expected)
     return mech.release_torch(sums, generator)
