@@ -16,7 +16,8 @@ same alpha and mode are replaced); Shakespeare files are prefixed ``shakespeare_
 
 ``--group-noise`` also writes ``local_group_noise.csv``: LocalGroupDP's ``sigma_Z`` for
 every group size ``Z`` up to the most records of one writer at one silo (its
-``scaled-steps`` budget, as the runs use it), ``sigma_Z / Z`` (its noise per unit of the
+``scaled-steps`` budget, at the smallest silo rate: each silo calibrates at its own rate
+and ``sigma_Z`` grows with it), ``sigma_Z / Z`` (its noise per unit of the
 sensitivity ``Z C`` of a subject with ``Z`` records in the batch), and the exact
 subject-level epsilon of a Gaussian sum at the smallest of those ratios: what our
 accountant certifies for LocalGroupDP's noise when its data-dependent ``Z`` is ignored.
@@ -86,7 +87,9 @@ def group_noise_rows(alpha: float, data_dir: str, dataset: str = "femnist") -> l
                           data_dir=data_dir, dataset=dataset)
     counts = sd.all_counts(cfg)
     plan = make_plan(cfg, counts)
-    q = max(plan.sample_rates)
+    # each silo calibrates sigma_Z at its own rate, and sigma_Z grows with the rate, so the
+    # smallest noise per unit of sensitivity over the silos is at the smallest rate
+    q = min(plan.sample_rates)
     ratios = noise_per_subject_sensitivity(cfg.target_epsilon, cfg.delta, q, plan.calibration_steps,
                                            int(counts.max()))
     z_min = min(r for _, _, r in ratios)
