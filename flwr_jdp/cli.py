@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "sent, no privacy cost; 0 = none)")
     jdp.add_argument("--finetune-learning-rate", type=float, default=FINETUNE_LEARNING_RATE,
                      help="learning rate of that adaptation")
+    jdp.add_argument("--augment-shift", type=int, default=0,
+                     help="pixels of random translation of the owners' own non-private training "
+                     "batches (personal layers, per-silo, FedAvg, adaptation; DP-SGD releases are not "
+                     "augmented, so no privacy cost); choose it on validation with "
+                     "examples/joint_dp/tune.py --augment-shifts; 0 = none")
     jdp.add_argument("--supernodes", type=_positive(int), default=2,
                      help="simulated SuperNodes; the owners are spread over them")
     jdp.add_argument("--local-epochs", type=_positive(int), default=None, help="default: paper Table 3")
@@ -126,7 +131,7 @@ def _reproduce(args: argparse.Namespace) -> int:
                     lr=args.learning_rate or 0.0,
                     personal_lr=args.personal_learning_rate or 0.0, ema_decay=args.ema_decay,
                     user_batch=args.user_batch_size, finetune_epochs=args.finetune_epochs,
-                    finetune_lr=args.finetune_learning_rate)
+                    finetune_lr=args.finetune_learning_rate, augment=args.augment_shift)
     except ValueError as err:
         print(f"flwr-jdp reproduce: {err}", file=sys.stderr)
         return 2

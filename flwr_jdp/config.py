@@ -29,10 +29,13 @@ PLACEMENTS = tuple(p.value for p in NoisePlacement)
 #: reproduction); the one value every module uses.
 FINETUNE_LEARNING_RATE = 0.05
 
+#: Largest allowed ``augment-shift`` (pixels of random translation).
+MAX_AUGMENT_SHIFT = 8
+
 #: Run-config keys added after results were committed, with the value every
 #: earlier run used: a stored config without the key equals one with it at this value.
 ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0, "finetune-epochs": 0,
-                              "finetune-learning-rate": FINETUNE_LEARNING_RATE}
+                              "finetune-learning-rate": FINETUNE_LEARNING_RATE, "augment-shift": 0}
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +68,10 @@ class JobConfig:
     #: no privacy.
     finetune_epochs: int = 0
     finetune_learning_rate: float = FINETUNE_LEARNING_RATE
+    #: Pixels of random translation applied to the owner's own (non-private) training
+    #: batches of image records: personal parameters, per-silo, FedAvg, adaptation
+    #: (0 = none). DP-SGD releases are never augmented, so no privacy cost.
+    augment_shift: int = 0
     personal_layers: str = r"^fc1\."
     personal_coupling: str = "decoupled"
     privacy_unit: str = "record"
@@ -212,6 +219,8 @@ def validate(cfg: JobConfig) -> None:
          "which only joint DP allows)")
     need(finite("finetune_learning_rate") and cfg.finetune_learning_rate > 0, "finetune_learning_rate",
          "> 0 and finite")
+    need(0 <= cfg.augment_shift <= MAX_AUGMENT_SHIFT, "augment_shift",
+         f"in [0, {MAX_AUGMENT_SHIFT}] pixels of random translation of the owner's own training images (0 = none)")
     need(cfg.privacy_unit in UNITS, "privacy_unit", f"one of {UNITS}")
     need(cfg.records_per_user >= 1, "records_per_user", ">= 1")
     need(finite("user_batch_size") and cfg.user_batch_size >= 0, "user_batch_size",

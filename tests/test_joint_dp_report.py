@@ -255,9 +255,9 @@ def test_table1_joint_dp_cell_is_fc1_personal_and_other_rules_get_their_own_tabl
     assert line.split(" | ")[5] == "0.7100 ± 0.0000 (1)"  # joint-DP local: the FC1 row
     lines = report.personal_rule_table(rules, t1).splitlines()
     # 44,724 parameters in all, 28,938 of them personal under this rule
-    assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | none | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
-            "| 0.7000 ± 0.0000 (1) |  |") in lines
-    assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | none | 0.5000") and "not run" in x
+    assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | none | 0 | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
+            "| 0.7000 ± 0.0000 (1) | 0.7000 ± 0.0000 (1) |  |") in lines
+    assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | none | 0 | 0.5000") and "not run" in x
                for x in lines)
     assert len(lines) == 2 + 2
 
@@ -277,8 +277,8 @@ def test_validation_chosen_personal_lr_and_moving_average_get_their_own_line_pai
           {k: str(v) for k, v in _row(Cell("fashion-mnist", 256, "joint-dp"), 0.71).items()}]
     assert report.cell_of(row) == tuned
     lines = report.personal_rule_table([row], t1, tmp_path).splitlines()
-    assert lines[2] == ("| 256 | local | fc1 | 29,034 | 0.2 | 0.8 | none | 0.7500 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
-                        "| 0.7000 ± 0.0000 (1) | +0.0500 ± 0.0000 (1 of 1 seeds above) |")
+    assert lines[2] == ("| 256 | local | fc1 | 29,034 | 0.2 | 0.8 | none | 0 | 0.7500 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
+                        "| 0.7000 ± 0.0000 (1) | 0.7000 ± 0.0000 (1) | +0.0500 ± 0.0000 (1 of 1 seeds above) |")
     # the tuned row never replaces Table 1's FC1 cell
     assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"
     # nor is it a Figure 1 point (or Table 4's record-level fallback)
@@ -300,7 +300,7 @@ def test_adapted_cell_gets_its_own_line_and_round_trips_through_its_row(tmp_path
     t1 = [{k: str(v) for k, v in _row(silo, 0.70).items()},
           {k: str(v) for k, v in _row(Cell("fashion-mnist", 256, "joint-dp"), 0.71).items()}]
     line = report.personal_rule_table([row], t1).splitlines()[2]
-    assert line.startswith("| 256 | local | fc1 | 29,034 | 0.05 | 0 | 20 epochs at 0.02 | 0.7500")
+    assert line.startswith("| 256 | local | fc1 | 29,034 | 0.05 | 0 | 20 epochs at 0.02 | 0 | 0.7500")
     assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"
 
 
@@ -375,3 +375,33 @@ def test_table4_takes_the_record_level_dp_cells_from_table1_where_it_has_none_an
     assert lines[3] == ("| fashion-mnist | 4 | local | 20 |  |  | not run | 0.6100 ± 0.0000 (1) | not run | "
                         "not run | not run | not run |")
     assert len(lines) == 4
+
+
+def test_translated_joint_dp_is_paired_with_per_silo_at_the_same_translation(tmp_path):
+    """Random translation also helps per-silo training, so a joint-DP line with a
+    shift is set beside, and paired by seed with, per-silo at that shift (not Table
+    1's per-silo without it)."""
+    report = _report()
+    joint = Cell("fashion-mnist", 256, "joint-dp", personal="conv1+conv2+fc1", augment=2)
+    silo_aug = Cell("fashion-mnist", 256, "per-silo", augment=2)
+    silo = Cell("fashion-mnist", 256, "per-silo")
+    for cell, accs in ((joint, (0.76, 0.75)), (silo_aug, (0.74, 0.76)), (silo, (0.70, 0.70))):
+        for seed, acc in enumerate(accs):
+            d = tmp_path / cell.name / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "results.json").write_text(json.dumps({"status": "completed", "final_accuracy": acc}))
+
+    def row(cell, accs):
+        r = dict(_row(cell, sum(accs) / 2), seeds=2, personal_layers=cell.personal,
+                 augment_shift=cell.augment)
+        return {k: str(v) for k, v in r.items()}
+
+    t1 = [row(silo, (0.70, 0.70)), row(Cell("fashion-mnist", 256, "joint-dp"), (0.71, 0.71))]
+    rows = [row(joint, (0.76, 0.75)), row(silo_aug, (0.74, 0.76))]
+    assert report.cell_of(rows[0]) == joint
+    lines = report.personal_rule_table(rows, t1, tmp_path).splitlines()
+    assert len(lines) == 3  # the per-silo row is a baseline, not a line of its own
+    cols = lines[2].split(" | ")
+    assert cols[7] == "2"
+    assert cols[11] == "0.7500 ± 0.0000 (2)"  # per-silo at the same translation
+    assert cols[12] == "+0.0050 ± 0.0212 (1 of 2 seeds above) |"

@@ -37,8 +37,9 @@ def test_old_table_gains_the_clipping_norm_its_runs_used(tmp_path):
     assert [(r["records_per_user"], r["user_batch_size"]) for r in rows] == [("1", "0")] * 2  # record level
     assert [(r["finetune_epochs"], r["finetune_learning_rate"]) for r in rows] == [("0", "-")] * 2  # none
     assert [r["seed"] for r in rows] == ["0", "0"]  # the only seed tuned before the column
+    assert [r["augment_shift"] for r in rows] == ["0", "0"]  # no translation before the key
     assert table.read_text().splitlines()[0].endswith(",clipping_norm,ema_decay,records_per_user,user_batch_size,"
-                                                      "finetune_epochs,finetune_learning_rate,seed")
+                                                      "finetune_epochs,finetune_learning_rate,seed,augment_shift")
     assert read_rows(table) == rows and tune.upgrade_table(table) == rows  # idempotent
 
 
@@ -101,6 +102,16 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
     assert _main(tune, monkeypatch, *common, "--finetune-epochs", "20", "--finetune-learning-rates", "0.02") == 0
     assert calls == []
 
+    # translation of the owners' own images: shift 0 is the point already run
+    calls.clear()
+    assert _main(tune, monkeypatch, *common, "--augment-shifts", "0", "2") == 0
+    assert calls == [("lr0.05-plr0.05-aug2", 0.1,
+                      {"learning-rate": 0.05, "personal-learning-rate": 0.05, "augment-shift": 2})]
+    assert read_rows(tmp_path / "tuning.csv")[-1]["augment_shift"] == "2"
+    calls.clear()
+    assert _main(tune, monkeypatch, *common, "--augment-shifts", "2") == 0
+    assert calls == []
+
     # a second validation seed is another point: run once, recorded with its seed, then skipped
     calls.clear()
     seeds.clear()
@@ -119,7 +130,8 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
                                   ("--method", "joint-dp", "--user-batch-sizes", "-1", "--records-per-user", "2"),
                                   ("--method", "full-dp", "--finetune-epochs", "5"),
                                   ("--method", "joint-dp", "--finetune-epochs", "-1"),
-                                  ("--method", "joint-dp", "--finetune-learning-rates", "0")])
+                                  ("--method", "joint-dp", "--finetune-learning-rates", "0"),
+                                  ("--method", "per-silo", "--augment-shifts", "9")])
 def test_bad_grid_values_fail_at_start(tmp_path, monkeypatch, capsys, args):
     tune = _tune()
     with pytest.raises(SystemExit):

@@ -189,7 +189,7 @@ def test_a_seed_stored_before_ema_decay_and_user_batch_existed_is_still_reused(t
     seed_dir = tmp_path / "runs" / cell.name / "seed0"
     seed_dir.mkdir(parents=True)
     old = parse_config(run_config(cell, 0, "", str(seed_dir))).to_dict()
-    del old["ema-decay"], old["user-batch-size"]
+    del old["ema-decay"], old["user-batch-size"], old["augment-shift"]
     (seed_dir / "results.json").write_text(json.dumps(
         {"status": "completed", "config": old, "final_accuracy": 0.5, "wall_seconds": 3.0}))
     monkeypatch.setattr(simulation, "simulate", lambda *a, **k: pytest.fail("a finished seed was rerun"))
@@ -212,7 +212,8 @@ def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path
                      "digits,4,fedavg,-,inf,1,0.7,0.0,1,fc1,1,2,3.0,-\n")
     rows = upgrade_table(table)
     assert [(r["personal_learning_rate"], r["ema_decay"], r["user_batch_size"], r["finetune_epochs"],
-             r["finetune_learning_rate"], r["learning_rate"]) for r in rows] == [("0.05", "0", "0", "0", "-", "0.05")] * 2
+             r["finetune_learning_rate"], r["learning_rate"], r["augment_shift"])
+            for r in rows] == [("0.05", "0", "0", "0", "-", "0.05", "0")] * 2
     assert read_rows(table) == rows and upgrade_table(table) == rows  # idempotent
     # a finished cell whose row is already there (in the old format) is not appended again
     cell = Cell("digits", 4, "joint-dp", "local", 8.0)

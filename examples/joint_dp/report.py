@@ -61,16 +61,17 @@ def _overridden(row: dict[str, str]) -> bool:
     """True for a row run with a validation-chosen learning rate, personal learning
     rate, moving average, user batch or adaptation before evaluation (not a Table 1 cell)."""
     cell = cell_of(row)
-    return bool(cell.lr or cell.personal_lr or cell.ema_decay or cell.user_batch or cell.finetune_epochs)
+    return bool(cell.lr or cell.personal_lr or cell.ema_decay or cell.user_batch or cell.finetune_epochs
+                or cell.augment)
 
 
-def _settings(row: dict[str, str]) -> tuple[str, float, float, int, float]:
-    """(personal rule, personal learning rate, EMA decay, adaptation epochs and rate) of
-    a row; rows written before those columns existed ran at the HPARAMS personal
-    learning rate, no EMA, no adaptation."""
+def _settings(row: dict[str, str]) -> tuple[str, float, float, int, float, int]:
+    """(personal rule, personal learning rate, EMA decay, adaptation epochs and rate,
+    augmentation shift) of a row; rows written before those columns existed ran at the
+    HPARAMS personal learning rate, no EMA, no adaptation, no augmentation."""
     cell = cell_of(row)
     return (cell.personal, cell.personal_learning_rate, cell.ema_decay, cell.finetune_epochs,
-            cell.finetune_lr)
+            cell.finetune_lr, cell.augment)
 
 
 def _finetune_text(epochs: int, lr: float) -> str:
@@ -82,24 +83,31 @@ def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]
     """Joint DP at epsilon = 1 with settings chosen on validation
     (``table1_personal.csv``): a personal-layer rule other than Table 1's FC1, a
     personal learning rate, a moving average of the evaluated shared model, an
-    adaptation of each owner's evaluated model to its own records. One
-    line per (n, trust, settings), beside Table 1's FC1 cell of the same n and trust
-    and Table 1's per-silo cell; the latest row of each wins. With ``runs``, the last
-    column is these settings minus per-silo paired by seed (``paired_difference``)."""
+    adaptation of each owner's evaluated model to its own records, a random translation
+    of the owners' own training images. One line per (n, trust, settings), beside Table
+    1's FC1 cell of the same n and trust, Table 1's per-silo cell and per-silo with the
+    same translation (a per-silo row of ``rows``; Table 1's without translation); the
+    latest row of each wins. With ``runs``, the last column is these settings minus
+    per-silo with the same translation, paired by seed (``paired_difference``)."""
     lines = ["| n | trust | personal | shared params | personal lr | EMA decay | adapted after the last round "
-             "| joint DP, these settings "
-             "| joint DP, FC1 personal (Table 1) | per-silo (Table 1) | these settings − per-silo, paired by seed |",
-             "|" + "---|" * 11]
+             "| translation (pixels) | joint DP, these settings "
+             "| joint DP, FC1 personal (Table 1) | per-silo (Table 1) | per-silo, same translation "
+             "| these settings − per-silo (same translation), paired by seed |",
+             "|" + "---|" * 13]
+    silo = [r for r in rows if r["method"] == "per-silo"]
     rows = [r for r in rows if r["method"] == "joint-dp" and float(r["epsilon"]) == 1.0]
     t1_fc1 = [r for r in t1_rows if float(r["epsilon"]) == 1.0 and _rule(r) == "fc1"]
     for n, trust, settings in sorted({(int(r["owners"]), r["trust"], _settings(r)) for r in rows}):
-        rule, plr, decay, ft, ftlr = settings
+        rule, plr, decay, ft, ftlr, shift = settings
         cells = [_latest([r for r in rows if _settings(r) == settings], owners=str(n), trust=trust),
                  _latest(t1_fc1, owners=str(n), method="joint-dp", trust=trust),
                  _latest(t1_rows, owners=str(n), method="per-silo")]
-        paired = paired_difference(runs, cells[0], cells[2]) if runs and cells[0] and cells[2] else ""
+        same = (_latest([r for r in silo if cell_of(r).augment == shift], owners=str(n)) if shift
+                else cells[2])
+        paired = paired_difference(runs, cells[0], same) if runs and cells[0] and same else ""
         lines.append(f"| {n} | {trust} | {rule} | {shared_parameter_count(rule):,} | {plr:g} | {decay:g} | "
-                     f"{_finetune_text(ft, ftlr)} | " + " | ".join(_fmt(c) if c else "not run" for c in cells) + f" | {paired} |")
+                     f"{_finetune_text(ft, ftlr)} | {shift} | "
+                     + " | ".join(_fmt(c) if c else "not run" for c in [*cells, same]) + f" | {paired} |")
     return "\n".join(lines)
 
 
@@ -145,7 +153,7 @@ def cell_of(row: dict[str, str]) -> Cell:
                 user_batch=float(row.get("user_batch_size") or 0.0),
                 finetune_epochs=int(row.get("finetune_epochs") or 0),
                 finetune_lr=float(ftlr) if (ftlr := row.get("finetune_learning_rate") or "-") != "-"
-                else FINETUNE_LEARNING_RATE)
+                else FINETUNE_LEARNING_RATE, augment=int(row.get("augment_shift") or 0))
 
 
 def run_seconds(runs: Path, cell: Cell) -> list[float]:
@@ -436,7 +444,7 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
 
 #: Values an empty tuning-table cell stands for (rows from before the column existed).
 _TUNING_DEFAULTS = {"ema_decay": "0", "records_per_user": "1", "user_batch_size": "0", "finetune_epochs": "0",
-                    "finetune_learning_rate": "-", "seed": "0"}
+                    "finetune_learning_rate": "-", "seed": "0", "augment_shift": "0"}
 
 
 def main() -> int:
@@ -470,7 +478,7 @@ def main() -> int:
     rule_rows = read_rows(res / "table1_personal.csv")
     if rule_rows:
         parts += ["### Joint DP with settings chosen on validation (more layers personal, personal "
-                  "learning rate, moving average, adaptation to the owner's records; ε = 1, δ = 1e-4; "
+                  "learning rate, moving average, adaptation to the owner's records, translated training images; ε = 1, δ = 1e-4; "
                   "`tuning.csv`)",
                   personal_rule_table(rule_rows, t1, res / "runs")]
     inter = read_rows(res / "table1_interleaved.csv")
@@ -483,7 +491,7 @@ def main() -> int:
         keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
                 "validation_fraction",
                 "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
-                "user_batch_size", "finetune_epochs", "finetune_learning_rate", "noise_multiplier", "final_epsilon", "seed")
+                "user_batch_size", "finetune_epochs", "finetune_learning_rate", "augment_shift", "noise_multiplier", "final_epsilon", "seed")
         lines = ["| " + " | ".join(keys) + " | shared params | validation accuracy |", "|" + "---|" * (len(keys) + 2)]
         lines += ["| " + " | ".join(r.get(k) or _TUNING_DEFAULTS.get(k, "") for k in keys)
                   + f" | {shared_parameter_count(r['personal_layers']):,} | {float(r['val_acc']):.4f} |"

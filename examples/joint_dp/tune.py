@@ -23,8 +23,12 @@ records per user) over the expected users per DP batch (run-config
 epochs and learning rate of the plain SGD, on all layers over each owner's own
 training records, that adapts the owner's model before it is evaluated (run-config
 ``finetune-epochs``; the adapted copy is never sent, so z and epsilon are unchanged).
+``--augment-shifts 0 2`` adds the pixels of random translation of the owners' own
+non-private training batches (run-config ``augment-shift``; personal layers,
+per-silo, FedAvg, adaptation; DP-SGD releases are not augmented, so z and epsilon
+are unchanged).
 The grid is the product of the learning rates, personal learning rates, clipping
-norms, decays, user batches and adaptations.
+norms, decays, user batches, adaptations and shifts.
 
 ``--seed 1`` runs the grid on another seed (another split, initialisation and
 validation carve-out); the seed is part of a point, so a finalist can be checked on
@@ -42,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from flwr_jdp.config import FINETUNE_LEARNING_RATE
+from flwr_jdp.config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT
 from flwr_jdp.reproduce.joint_dp import Cell, append_row, finetune_columns, run_seed
 from flwr_jdp.reproduce.joint_dp import upgrade_table as upgrade_rows
 
@@ -50,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
            "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
            "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay", "records_per_user",
-           "user_batch_size", "finetune_epochs", "finetune_learning_rate", "seed")
+           "user_batch_size", "finetune_epochs", "finetune_learning_rate", "seed", "augment_shift")
 
 
 def _added_columns(r: dict[str, str]) -> dict[str, str]:
@@ -58,12 +62,13 @@ def _added_columns(r: dict[str, str]) -> dict[str, str]:
     used: the clipping norm of :data:`HPARAMS` (empty for a cell without DP), no
     moving average (``ema_decay`` 0), the record level (``records_per_user`` 1, so
     ``user_batch_size`` 0), no adaptation before evaluation (``finetune_epochs`` 0),
-    seed 0 (the only seed tuned before the column)."""
+    seed 0 (the only seed tuned before the column), no augmentation (``augment_shift`` 0)."""
     old = Cell(r["dataset"], int(r["owners"]), r["method"],
                r["trust"] if r["trust"] != "-" else "local",
                float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
     return {"clipping_norm": f"{old.hparams['clipping-norm']:g}" if old.dp else "", "ema_decay": "0",
-            "records_per_user": "1", "user_batch_size": "0", **finetune_columns(0, 0.0), "seed": "0"}
+            "records_per_user": "1", "user_batch_size": "0", **finetune_columns(0, 0.0), "seed": "0",
+            "augment_shift": "0"}
 
 
 def upgrade_table(table: Path) -> list[dict[str, str]]:
@@ -107,6 +112,9 @@ def main() -> int:
                         "default 0 = none)")
     parser.add_argument("--finetune-learning-rates", type=float, nargs="*", default=[],
                         help=f"adaptation learning rates to try (default {FINETUNE_LEARNING_RATE:g})")
+    parser.add_argument("--augment-shifts", type=int, nargs="*", default=[],
+                        help="pixels of random translation of the owners' own training batches to try "
+                        "(run-config augment-shift; default 0 = none)")
     parser.add_argument("--validation-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--supernodes", type=int, default=2)
@@ -135,11 +143,14 @@ def main() -> int:
         parser.error("--finetune-epochs applies to joint-dp only")
     if any(not lr > 0 for lr in args.finetune_learning_rates):
         parser.error(f"--finetune-learning-rates must be > 0, got {args.finetune_learning_rates}")
+    if any(not 0 <= k <= MAX_AUGMENT_SHIFT for k in args.augment_shifts):
+        parser.error(f"--augment-shifts must be in [0, {MAX_AUGMENT_SHIFT}], got {args.augment_shifts}")
     base = cell.hparams
     personal_lrs = args.personal_learning_rates or [base["personal-learning-rate"]]
     clips = args.clipping_norms or ([base["clipping-norm"]] if cell.dp else [None])
     decays = args.ema_decays or [0.0]
     user_batches = args.user_batch_sizes or [0.0]
+    shifts = args.augment_shifts or [0]
     # (epochs, rate) pairs; without adaptation the rate is unused, so one point
     adaptations = sorted({(e, lr if e else 0.0) for e in (args.finetune_epochs or [0])
                           for lr in (args.finetune_learning_rates or [FINETUNE_LEARNING_RATE])})
@@ -147,23 +158,25 @@ def main() -> int:
     table = Path(args.out) / "tuning.csv"
     work = Path(args.out) / "tuning_runs"
     rows = upgrade_table(table)
-    for lr, plr, clip, decay, ub, (ft, ftlr) in itertools.product(
-            args.learning_rates, personal_lrs, clips, decays, user_batches, adaptations):
+    for lr, plr, clip, decay, ub, (ft, ftlr), shift in itertools.product(
+            args.learning_rates, personal_lrs, clips, decays, user_batches, adaptations, shifts):
         ft_cols = finetune_columns(ft, ftlr)
         clip_txt = f"{clip:g}" if clip is not None else ""
         point = (f"lr={lr:g} personal lr={plr:g}" + (f" C={clip_txt}" if clip_txt else "")
                  + (f" ema-decay={decay:g}" if decay else "")
                  + (f" m/r={mr}" if mr != "1" else "") + (f" user-batch={ub:g}" if ub else "")
-                 + (f" finetune={ft} epochs at {ftlr:g}" if ft else ""))
+                 + (f" finetune={ft} epochs at {ftlr:g}" if ft else "")
+                 + (f" augment-shift={shift}" if shift else ""))
         key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
                f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}", clip_txt,
                f"{decay:g}", mr, f"{ub:g}", ft_cols["finetune_epochs"], ft_cols["finetune_learning_rate"],
-               str(args.seed))
+               str(args.seed), str(shift))
         if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"], r["personal_layers"],
                 r["learning_rate"], r["personal_learning_rate"], r["clipping_norm"],
                 r.get("ema_decay") or "0", r.get("records_per_user") or "1",
                 r.get("user_batch_size") or "0", r.get("finetune_epochs") or "0",
-                r.get("finetune_learning_rate") or "-", r.get("seed") or "0") == key for r in rows):
+                r.get("finetune_learning_rate") or "-", r.get("seed") or "0",
+                r.get("augment_shift") or "0") == key for r in rows):
             print(f"skip {point} (in {table.name})", flush=True)
             continue
         extra = {"learning-rate": lr, "personal-learning-rate": plr}
@@ -180,6 +193,9 @@ def main() -> int:
         if ft:
             extra.update({"finetune-epochs": ft, "finetune-learning-rate": ftlr})
             run_dir += f"-ft{ft}-ftlr{ftlr:g}"
+        if shift:
+            extra["augment-shift"] = shift
+            run_dir += f"-aug{shift}"
         t0 = time.time()
         res = run_seed(cell, args.seed, args.data_dir, work / run_dir, args.supernodes,
                        validation_fraction=args.validation_fraction, extra=extra)
@@ -206,6 +222,7 @@ def main() -> int:
           + (f" user-batch={best['user_batch_size']}" if best.get("user_batch_size", "0") != "0" else "")
           + (f" finetune={best['finetune_epochs']} epochs at {best['finetune_learning_rate']}"
              if best.get("finetune_epochs", "0") != "0" else "")
+          + (f" augment-shift={best['augment_shift']}" if best.get("augment_shift", "0") != "0" else "")
           + f" -> {float(best['val_acc']):.4f}", flush=True)
     return 0
 

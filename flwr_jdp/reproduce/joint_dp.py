@@ -60,14 +60,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import FINETUNE_LEARNING_RATE, comparable, parse_config
+from ..config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT, comparable, parse_config
 
 METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
 TRUST = ("local", "central")
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "seeds", "acc_mean", "acc_std",
            "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds", "coupling",
            "personal_learning_rate", "ema_decay", "user_batch_size", "finetune_epochs",
-           "finetune_learning_rate", "learning_rate")
+           "finetune_learning_rate", "learning_rate", "augment_shift")
 COUPLINGS = ("decoupled", "interleaved")
 
 #: The paper's Table 3: n -> (local epochs E, global rounds T).
@@ -149,6 +149,10 @@ class Cell:
     #: it read the owners' training records and is not in the ledger (as for every
     #: setting chosen on validation here).
     lr: float = 0.0
+    #: Pixels of random translation of the owners' own (non-private) training batches
+    #: (run-config ``augment-shift``; 0 = none): personal parameters, per-silo, FedAvg,
+    #: adaptation. DP-SGD releases are not augmented, so the ledger is unchanged.
+    augment: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -187,6 +191,8 @@ class Cell:
             object.__setattr__(self, "personal_lr", 0.0)  # the default spelt out: same cell
         if not (self.lr >= 0 and math.isfinite(self.lr)):
             raise ValueError(f"--learning-rate must be > 0 (0 = default), got {self.lr}")
+        if not 0 <= self.augment <= MAX_AUGMENT_SHIFT:
+            raise ValueError(f"--augment-shift must be in [0, {MAX_AUGMENT_SHIFT}] pixels, got {self.augment}")
         if self.lr == self.hparams["learning-rate"]:
             object.__setattr__(self, "lr", 0.0)  # the default spelt out: same cell
 
@@ -219,7 +225,8 @@ class Cell:
                 + (f"-plr{self.personal_lr:g}" if self.personal_lr else "")
                 + (f"-ema{self.ema_decay:g}" if self.ema_decay else "")
                 + (f"-ub{self.user_batch:g}" if self.user_batch else "")
-                + (f"-ft{self.finetune_epochs}-ftlr{self.finetune_lr:g}" if self.finetune_epochs else ""))
+                + (f"-ft{self.finetune_epochs}-ftlr{self.finetune_lr:g}" if self.finetune_epochs else "")
+                + (f"-aug{self.augment}" if self.augment else ""))
 
 
 def schedule_for(owners: int) -> tuple[int, int]:
@@ -270,6 +277,8 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
     if cell.finetune_epochs:
         cfg["finetune-epochs"] = cell.finetune_epochs
         cfg["finetune-learning-rate"] = cell.finetune_lr
+    if cell.augment:
+        cfg["augment-shift"] = cell.augment
     cfg.update(extra or {})
     parse_config(cfg)  # fail early with the key's name
     return cfg
@@ -339,7 +348,7 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
         "coupling": cell.coupling if cell.method == "joint-dp" else "-",
         "personal_learning_rate": f"{cell.personal_learning_rate:g}", "ema_decay": f"{cell.ema_decay:g}",
         "user_batch_size": f"{cell.user_batch:g}", **finetune_columns(cell.finetune_epochs, cell.finetune_lr),
-        "learning_rate": f"{cell.learning_rate:g}",
+        "learning_rate": f"{cell.learning_rate:g}", "augment_shift": str(cell.augment),
     }
     if {k: str(row.get(k, "")) for k in COLUMNS} in upgrade_table(out / table):
         print(f"[{cell.name}] every seed reused: {table} already holds this row", flush=True)
@@ -369,10 +378,11 @@ def _columns_added_since(row: dict[str, str]) -> dict[str, str]:
     """Values of the :data:`COLUMNS` added after the first tables were written, at
     what those rows' runs used: the HPARAMS personal learning rate, no moving average,
     the default user batch (``user_batch_size`` 0), no adaptation before evaluation, the
-    HPARAMS learning rate of the shared parameters."""
+    HPARAMS learning rate of the shared parameters, no augmentation."""
     hp = hparams_for(row["method"], row.get("trust", ""))
     return {"personal_learning_rate": f"{hp['personal-learning-rate']:g}", "ema_decay": "0",
-            "user_batch_size": "0", **finetune_columns(0, 0.0), "learning_rate": f"{hp['learning-rate']:g}"}
+            "user_batch_size": "0", **finetune_columns(0, 0.0), "learning_rate": f"{hp['learning-rate']:g}",
+            "augment_shift": "0"}
 
 
 def upgrade_table(path: Path, columns: tuple[str, ...] = COLUMNS,

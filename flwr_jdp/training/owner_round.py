@@ -86,13 +86,15 @@ def fit_personal(model: nn.Module, split: ParamSplit, data: OwnerData, cfg: JobC
     parameters frozen (``local-epochs`` epochs of SGD at ``personal-learning-rate``);
     returns the mean loss (for the owner's own log only).
 
-    Used by the decoupled coupling. Nothing it computes is released: with the shared
+    With ``augment-shift`` > 0 every batch's images are randomly translated (the
+    trunk is then run per batch, not cached). Used by the decoupled coupling.
+    Nothing it computes is released: with the shared
     parameters at the broadcast (DP) values, the result is a function of public DP
     output and the owner's own data, which joint DP allows.
     """
     params = dict(model.named_parameters())
     personal = [params[n] for n in split.personal]
-    if _head_only(model, split) and len(data.y_train):
+    if _head_only(model, split) and len(data.y_train) and not cfg.augment_shift:
         # The trunk is frozen and per-record: compute its features once and train
         # the head on them (same batches, same updates, one trunk pass in all).
         head = _Head(model)
@@ -102,7 +104,7 @@ def fit_personal(model: nn.Module, split: ParamSplit, data: OwnerData, cfg: JobC
                            generator=generator)
     return train_plain(model, personal, data.x_train, data.y_train, epochs=cfg.local_epochs,
                        batch_size=cfg.batch_size, lr=cfg.personal_learning_rate,
-                       generator=generator)
+                       generator=generator, augment_shift=cfg.augment_shift)
 
 
 class _Head(nn.Module):
@@ -148,7 +150,8 @@ def adapted_model(model: nn.Module, data: OwnerData, cfg: JobConfig,
     out = copy.deepcopy(model)
     if cfg.finetune_epochs > 0:
         train_plain(out, list(out.parameters()), data.x_train, data.y_train, epochs=cfg.finetune_epochs,
-                    batch_size=cfg.batch_size, lr=cfg.finetune_learning_rate, generator=generator)
+                    batch_size=cfg.batch_size, lr=cfg.finetune_learning_rate, generator=generator,
+                    augment_shift=cfg.augment_shift)
     return out
 
 
@@ -199,14 +202,14 @@ def train_owner_round(
     if not cfg.dp:
         loss = train_plain(model, shared + personal, data.x_train, data.y_train,
                            epochs=cfg.local_epochs, batch_size=cfg.batch_size,
-                           lr=cfg.learning_rate, generator=generator)
+                           lr=cfg.learning_rate, generator=generator, augment_shift=cfg.augment_shift)
         return dict(get_arrays(model, split.shared)), loss
 
     if kind == protocol.KIND_DELTA:
         before = get_arrays(model, split.shared)
         loss = train_plain(model, shared + personal, data.x_train, data.y_train,
                            epochs=cfg.local_epochs, batch_size=cfg.batch_size,
-                           lr=cfg.learning_rate, generator=generator)
+                           lr=cfg.learning_rate, generator=generator, augment_shift=cfg.augment_shift)
         after = get_arrays(model, split.shared)
         delta = clip_numpy([after[n] - before[n] for n in split.shared], cfg.clipping_norm)
         if cfg.placement is NoisePlacement.LOCAL:
@@ -218,7 +221,8 @@ def train_owner_round(
     if kind == protocol.KIND_GRAD_SUM:
         loss = train_plain(model, personal, data.x_train, data.y_train,
                            epochs=cfg.local_epochs, batch_size=cfg.batch_size,
-                           lr=cfg.personal_learning_rate, generator=generator)
+                           lr=cfg.personal_learning_rate, generator=generator,
+                           augment_shift=cfg.augment_shift)
         sums, _ = clipped_gradient_sum(model, split, data.x_train, data.y_train,
                                        user_ids=user_ids, clipping_norm=cfg.clipping_norm,
                                        sample_rate=plan.sample_rate, generator=generator)

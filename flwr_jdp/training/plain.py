@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .augment import random_shift
+
 
 def to_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """Numpy arrays to torch tensors (no copy where possible)."""
@@ -41,8 +43,12 @@ def train_plain(
     batch_size: int,
     lr: float,
     generator: torch.Generator,
+    augment_shift: int = 0,
 ) -> float:
     """Mini-batch SGD on ``params`` for ``epochs`` epochs; returns the mean loss.
+
+    ``augment_shift`` > 0 translates every batch's images at random by up to that
+    many pixels (:func:`~.augment.random_shift`; the owner's own training only).
 
     The update is plain SGD (``p -= lr * grad``, what ``torch.optim.SGD`` does
     without momentum or weight decay, bit for bit), written out to save building an
@@ -63,7 +69,7 @@ def train_plain(
                 idx = order[start : start + batch_size]
                 for p in params:
                     p.grad = None
-                loss = record_losses(model(xt[idx]), yt[idx]).mean()
+                loss = record_losses(model(random_shift(xt[idx], augment_shift, generator)), yt[idx]).mean()
                 loss.backward()
                 with torch.no_grad():
                     for p in params:
