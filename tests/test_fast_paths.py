@@ -145,3 +145,50 @@ def test_fit_personal_with_no_records_is_a_no_op(run_config):
     assert np.isnan(fit_personal(model, split, empty, cfg, torch.Generator().manual_seed(0)))
     for n, v in get_arrays(model, split.personal).items():
         np.testing.assert_array_equal(v, before[n])
+
+
+def _dp_setup(unit):
+    from flwr_jdp.models import SeedCNN
+    from flwr_jdp.params import split_parameters
+
+    torch.manual_seed(3)
+    model = SeedCNN(1, 28, 10)
+    split = split_parameters(model, r"^fc1\.")
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(24, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, size=24)
+    users = np.repeat(np.arange(8), 3) if unit == "user" else None
+    return model, split, x, y, users
+
+
+@pytest.mark.parametrize("unit", ["record", "user"])
+def test_frozen_personal_layers_change_no_released_number(unit, monkeypatch):
+    """The decoupled DP-SGD release and the central clipped sum take the personal
+    parameters out of autograd (Opacus then skips their per-sample gradients);
+    the shared parameters and sums must equal those of the unfrozen computation
+    bit for bit, and the personal parameters' flags must be restored."""
+    import contextlib
+
+    from flwr_jdp.training import dp_sgd
+
+    def release(model, split, x, y, users):
+        gen = torch.Generator().manual_seed(7)
+        dp_sgd.train_dp_sgd(model, split, x, y, user_ids=users, noise_multiplier=1.3,
+                            clipping_norm=0.5, sample_rate=0.5, steps=4, lr=0.1,
+                            personal_lr=0.0, generator=gen)
+        sums, _ = dp_sgd.clipped_gradient_sum(model, split, x, y, user_ids=users, clipping_norm=0.5,
+                                              sample_rate=0.5, generator=gen)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, sums
+
+    model, split, x, y, users = _dp_setup(unit)
+    twin = copy.deepcopy(model)
+    fast_state, fast_sums = release(model, split, x, y, users)
+    assert all(p.requires_grad for p in model.parameters())
+    monkeypatch.setattr(dp_sgd, "_frozen", lambda params: contextlib.nullcontext())
+    ref_state, ref_sums = release(twin, split, x, y, users)
+    for name in ref_state:
+        assert torch.equal(fast_state[name], ref_state[name]), name
+    for a, b in zip(fast_sums, ref_sums, strict=True):
+        assert np.array_equal(a, b)
+    for name in split.personal:  # decoupled: personal parameters untouched
+        assert torch.equal(fast_state[name], dict(_dp_setup(unit)[0].state_dict())[name])

@@ -19,6 +19,8 @@ whose event the ledger records.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +42,26 @@ def _grad_sample_module(model: nn.Module) -> GradSampleModule:
     from opacus import GradSampleModule
 
     return GradSampleModule(model, loss_reduction="sum")
+
+
+@contextmanager
+def _frozen(params: list[nn.Parameter]) -> Iterator[None]:
+    """Take ``params`` out of autograd for the block, then restore their flags.
+
+    Used where the personal parameters' gradients are not needed (the decoupled
+    release, the central clipped sum): Opacus then computes per-sample gradients
+    of the shared parameters only, and backward still flows through the frozen
+    layers to the shared ones, so the shared gradients are unchanged (a speed-up,
+    not a change of any released number; tests/test_fast_paths.py).
+    """
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
 
 
 @dataclass(frozen=True)
@@ -138,25 +160,26 @@ def train_dp_sgd(
     shared = [params[n] for n in split.shared]
     personal = [params[n] for n in split.personal]
     mech = GaussianSumMechanism(noise_multiplier, clipping_norm, sample_rate * num_units)
-    gsm = _grad_sample_module(model)
-    gsm.train()
-    losses = []
-    for _ in range(steps):
-        batch = poisson_sample(unit_of_record, num_units, sample_rate, generator)
-        loss = _backward_batch(gsm, xt, yt, batch)
-        with torch.no_grad():
+    with _frozen(personal if personal_lr == 0 else []):  # no personal gradient needed
+        gsm = _grad_sample_module(model)
+        gsm.train()
+        losses = []
+        for _ in range(steps):
+            batch = poisson_sample(unit_of_record, num_units, sample_rate, generator)
+            loss = _backward_batch(gsm, xt, yt, batch)
+            with torch.no_grad():
+                if len(batch.records):
+                    sums = clipped_unit_sum(shared, batch, clipping_norm)
+                else:
+                    sums = [torch.zeros_like(p) for p in shared]
+                for p, g in zip(shared, mech.release_torch(sums, generator), strict=False):
+                    p.add_(g, alpha=-lr)
+                if len(batch.records) and personal_lr > 0:
+                    for p in personal:
+                        p.add_(p.grad / len(batch.records), alpha=-personal_lr)
             if len(batch.records):
-                sums = clipped_unit_sum(shared, batch, clipping_norm)
-            else:
-                sums = [torch.zeros_like(p) for p in shared]
-            for p, g in zip(shared, mech.release_torch(sums, generator), strict=False):
-                p.add_(g, alpha=-lr)
-            if len(batch.records) and personal_lr > 0:
-                for p in personal:
-                    p.add_(p.grad / len(batch.records), alpha=-personal_lr)
-        if len(batch.records):
-            losses.append(loss)
-    _release_hooks(gsm)
+                losses.append(loss)
+        _release_hooks(gsm)
     return float(np.mean(losses)) if losses else float("nan")
 
 
@@ -177,12 +200,13 @@ def clipped_gradient_sum(
     unit_of_record, num_units = _unit_index(len(yt), user_ids)
     params = dict(model.named_parameters())
     shared = [params[n] for n in split.shared]
-    gsm = _grad_sample_module(model)
-    gsm.train()
-    batch = poisson_sample(unit_of_record, num_units, sample_rate, generator)
-    _backward_batch(gsm, xt, yt, batch)
-    with torch.no_grad():
-        sums = batch_sums(shared, batch, clipping_norm)
-    out = [s.detach().cpu().numpy().copy() for s in sums]
-    _release_hooks(gsm)
+    with _frozen([params[n] for n in split.personal]):
+        gsm = _grad_sample_module(model)
+        gsm.train()
+        batch = poisson_sample(unit_of_record, num_units, sample_rate, generator)
+        _backward_batch(gsm, xt, yt, batch)
+        with torch.no_grad():
+            sums = batch_sums(shared, batch, clipping_norm)
+        out = [s.detach().cpu().numpy().copy() for s in sums]
+        _release_hooks(gsm)
     return out, batch.num_units
