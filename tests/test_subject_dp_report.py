@@ -3,6 +3,7 @@ draws one alpha-sweep series per learning rate."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 from .helpers import load_example
@@ -192,3 +193,20 @@ def test_a_run_file_with_only_its_run_config_naming_shakespeare_is_not_femnist(t
     _, _, methods = report.write_choices(tmp_path / "runs", tmp_path)
     assert [(r["run"], r["learning_rate"], r["screen"]) for r in methods] == [("fedavg", 0.2, "0.2:0.5000 0.8:0.4000")]
     assert (tmp_path / "method_learning_rate_choice.csv").exists()
+
+
+def test_the_method_rate_choice_file_covers_every_alpha_with_two_validated_rates(tmp_path):
+    """``method_learning_rate_choice.csv`` holds one choice per run and alpha where two or
+    more rates were validated (alpha 1 and 16 here), each made on that alpha's runs only;
+    an alpha with one validated rate (4) is left out."""
+    report = _report()
+    (tmp_path / "runs").mkdir()
+    docs = [_sized_doc("local-item-dp", 0, 1.0, 0.70, 3.2), _sized_doc("local-item-dp", 0, 1.0, 0.60, 1.6),
+            _sized_doc("local-item-dp", 0, 16.0, 0.50, 3.2), _sized_doc("local-item-dp", 0, 16.0, 0.55, 1.6),
+            _sized_doc("local-item-dp", 0, 4.0, 0.90, 6.4)]
+    for k, d in enumerate(docs):
+        (tmp_path / "runs" / f"run{k}.json").write_text(json.dumps(d))
+    _, _, methods = report.write_choices(tmp_path / "runs", tmp_path)
+    assert [(r["alpha"], r["learning_rate"]) for r in methods] == [(1.0, 3.2), (16.0, 1.6)]
+    with (tmp_path / "method_learning_rate_choice.csv").open() as f:
+        assert [(row["alpha"], row["learning_rate"]) for row in csv.DictReader(f)] == [("1.0", "3.2"), ("16.0", "1.6")]

@@ -17,8 +17,9 @@ are prefixed ``shakespeare_``):
   chosen at each alpha by validation accuracy, and its test accuracy;
 - ``method_learning_rate_choice.csv`` (FEMNIST): for every other run (FedAvg,
   LocalItemDP, LocalGroupDP, UserLDP, record-sampled HiGradAvgDP), the learning rate
-  chosen at alpha = 1 by validation accuracy (a seed-0 screen, then the rates re-run on
-  more seeds compared by their mean), and its test accuracy.
+  chosen by validation accuracy (a seed-0 screen, then the rates re-run on more seeds
+  compared by their mean) at each alpha where two or more of its rates were validated
+  (every run at alpha = 1; some at other alphas), and its test accuracy there.
 
 and prints the markdown table of the test-set rows, mean +- std over seeds.
 """
@@ -313,7 +314,8 @@ def write_choices(folder: Path, out_dir: Path) -> tuple[list[dict], list[dict], 
     docs = [d for d in docs if _dataset(d) == "femnist" and "run_config" in d]
     batches = batch_choice(docs)
     rates = learning_rate_choice(docs, batches)
-    methods = method_rate_choice(docs)
+    alphas = sorted({float(d["row"]["alpha"]) for d in docs if d["row"]["evaluate_on"] == "validation"})
+    methods = [row for alpha in alphas for row in method_rate_choice(docs, alpha)]
     _write_csv(batches, out_dir / "batch_choice.csv")
     _write_csv(rates, out_dir / "learning_rate_choice.csv")
     _write_csv(methods, out_dir / "method_learning_rate_choice.csv")
@@ -359,9 +361,9 @@ def main() -> None:
             print(f"  alpha={r['alpha']:g} batch {r['batch']}: validation ({r['validation_seeds']} seeds) {r['validation']} -> lr {r['learning_rate']:g}, "
                   f"test {r['test_mean']} +- {r['test_std']} ({r['test_seeds']} seeds)")
     if methods:
-        print("\nlearning rate of the other runs chosen on validation at alpha = 1 (method_learning_rate_choice.csv)")
+        print("\nlearning rate of the other runs chosen on validation per alpha (method_learning_rate_choice.csv)")
         for r in methods:
-            print(f"  {r['run']}: seed-0 screen {r['screen']}; finalists ({r['validation_seeds']} seeds) "
+            print(f"  {r['run']} alpha={r['alpha']:g}: seed-0 screen {r['screen']}; finalists ({r['validation_seeds']} seeds) "
                   f"{r['finalists']} -> lr {r['learning_rate']:g}, test {r['test_mean']} +- {r['test_std']} "
                   f"({r['test_seeds']} seeds)")
 
