@@ -140,9 +140,12 @@ def plot_alpha(rows: list[dict], out: Path) -> bool:
     if not by_run:
         return False
     fig, ax = plt.subplots(figsize=(9, 4))
-    for name, pts in by_run.items():
+    colours = plt.get_cmap("tab20").colors  # 20 distinct colours; marker and dash tell repeats apart
+    markers, dashes = "osD^v", ("-", "--")
+    for i, (name, pts) in enumerate(by_run.items()):
         alphas, means, stds = zip(*pts)
-        ax.errorbar(alphas, means, yerr=stds, marker="o", capsize=3, label=name)
+        ax.errorbar(alphas, means, yerr=stds, marker=markers[i % len(markers)], capsize=3, label=name,
+                    color=colours[(2 * i + i // 10) % len(colours)], linestyle=dashes[(i // 10) % 2])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("alpha (power-law silo assignment)")
     ax.set_ylabel("final test accuracy")
