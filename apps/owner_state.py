@@ -54,7 +54,7 @@ def owner_data(cfg: JobConfig) -> tuple[OwnerData, ...]:
     return load_partitions(
         cfg.dataset, cfg.data_dir, cfg.num_owners, cfg.classes_per_owner,
         cfg.max_records, cfg.records_per_user, cfg.seed, cfg.partitioner,
-        cfg.validation_fraction,
+        cfg.validation_fraction, cfg.validation_source,
     )
 
 

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     jdp.add_argument("--rounds", type=_positive(int), default=None, help="default: paper Table 3")
     jdp.add_argument("--validation-fraction", type=float, default=0.0,
                      help="> 0: evaluate on a validation split of the training data (tuning)")
+    jdp.add_argument("--validation-source", choices=("carve", "pool"), default="carve",
+                     help="carve: part of each owner's training records; pool: training-set records "
+                     "outside the 10,000 used, dealt like the test split (owners train on all theirs)")
     jdp.add_argument("--table", default="table.csv", help="CSV file name inside --out")
     jdp.add_argument("--ray-address", default=None,
                      help="run on an existing Ray cluster (ray start --head ...), e.g. 127.0.0.1:6379")
@@ -138,7 +141,8 @@ def _reproduce(args: argparse.Namespace) -> int:
     row = run_cell(cell, 1 if args.quick else args.seeds, args.data_dir, args.out,
                    supernodes=args.supernodes, table=args.table, ray_address=args.ray_address,
                    local_epochs=args.local_epochs, rounds=args.rounds,
-                   validation_fraction=args.validation_fraction)
+                   validation_fraction=args.validation_fraction,
+                   validation_source=args.validation_source)
     print(", ".join(f"{k}={v}" for k, v in row.items()))
     print(f"{row['acc_mean']:.4f}")
     return 0

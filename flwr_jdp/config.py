@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .data.datasets import DATASETS
+from .data.partition import VALIDATION_SOURCES
 from .privacy.backends import ACCOUNTANTS
 from .privacy.units import NoisePlacement, PrivacyUnit
 
@@ -35,7 +36,8 @@ MAX_AUGMENT_SHIFT = 8
 #: Run-config keys added after results were committed, with the value every
 #: earlier run used: a stored config without the key equals one with it at this value.
 ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0, "finetune-epochs": 0,
-                              "finetune-learning-rate": FINETUNE_LEARNING_RATE, "augment-shift": 0}
+                              "finetune-learning-rate": FINETUNE_LEARNING_RATE, "augment-shift": 0,
+                              "validation-source": "carve"}
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +94,11 @@ class JobConfig:
     classes_per_owner: int = 8
     partitioner: str = "balanced"
     validation_fraction: float = 0.0
+    #: Where the validation split comes from when ``validation_fraction`` > 0:
+    #: ``carve`` (the owner's own training records) or ``pool`` (training-set
+    #: records outside ``max_records``, dealt like the test split; see
+    #: :mod:`flwr_jdp.data.partition`).
+    validation_source: str = "carve"
     model: str = "seed-cnn"
     norm: str = "group"
     results_dir: str = "results/run"
@@ -243,6 +250,9 @@ def validate(cfg: JobConfig) -> None:
     need(cfg.partitioner in PARTITIONERS, "partitioner", f"one of {PARTITIONERS}")
     need(finite("validation_fraction") and 0 <= cfg.validation_fraction < 1,
          "validation_fraction", "in [0, 1) (0 = evaluate on the test split)")
+    need(cfg.validation_source in VALIDATION_SOURCES, "validation_source", f"one of {VALIDATION_SOURCES}")
+    need(cfg.validation_source == "carve" or cfg.validation_fraction > 0, "validation_source",
+         "'carve' unless 'validation-fraction' > 0 (it switches validation on)")
     need(cfg.model == "seed-cnn", "model", "'seed-cnn'")
     need(cfg.norm in ("group", "none"), "norm", "'group' or 'none'")
     need(bool(cfg.results_dir), "results_dir", "a non-empty path")

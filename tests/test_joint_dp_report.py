@@ -405,3 +405,19 @@ def test_translated_joint_dp_is_paired_with_per_silo_at_the_same_translation(tmp
     assert cols[7] == "2"
     assert cols[11] == "0.7500 ± 0.0000 (2)"  # per-silo at the same translation
     assert cols[12] == "+0.0050 ± 0.0212 (1 of 2 seeds above) |"
+
+
+def test_table1_cells_at_a_chosen_learning_rate_are_listed_beside_the_default_and_not_timed_as_table1(tmp_path):
+    report = _report()
+    base = Cell("fashion-mnist", 8, "full-dp", "central", 1.0)
+    tuned = Cell("fashion-mnist", 8, "full-dp", "central", 1.0, lr=2.0)
+    _finished(tmp_path, base, 0, 100.0)
+    _finished(tmp_path, tuned, 0, 40.0)
+    rows = [{k: str(v) for k, v in _row(base, 0.70).items()},
+            {**{k: str(v) for k, v in _row(tuned, 0.74).items()}, "learning_rate": "2"}]
+    assert "| 8 | full-dp | central | 1 | 2 | 0.7400 ± 0.0000 (1) | 1 | 0.7000 ± 0.0000 (1) |" in (
+        report.chosen_rate_table(rows))
+    timed = report.timing(rows, tmp_path)
+    assert "| 8 | full-dp | central | 1 | 100 |" in timed and "| 40 |" not in timed
+    assert "Row n = 8 (one seed of each cell run): 100 s" in timed
+    assert "0.7000" in report.table1(rows) and "0.7400" not in report.table1(rows)

@@ -38,8 +38,10 @@ def test_old_table_gains_the_clipping_norm_its_runs_used(tmp_path):
     assert [(r["finetune_epochs"], r["finetune_learning_rate"]) for r in rows] == [("0", "-")] * 2  # none
     assert [r["seed"] for r in rows] == ["0", "0"]  # the only seed tuned before the column
     assert [r["augment_shift"] for r in rows] == ["0", "0"]  # no translation before the key
+    assert [r["validation_source"] for r in rows] == ["carve", "carve"]  # the only source before the key
     assert table.read_text().splitlines()[0].endswith(",clipping_norm,ema_decay,records_per_user,user_batch_size,"
-                                                      "finetune_epochs,finetune_learning_rate,seed,augment_shift")
+                                                      "finetune_epochs,finetune_learning_rate,seed,augment_shift,"
+                                                      "validation_source")
     assert read_rows(table) == rows and tune.upgrade_table(table) == rows  # idempotent
 
 
@@ -53,9 +55,12 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
     _old_table(tmp_path / "tuning.csv")
     calls, seeds = [], []
 
-    def fake_run_seed(cell, seed, data_dir, work_dir, supernodes, validation_fraction, extra):
+    sources = []
+
+    def fake_run_seed(cell, seed, data_dir, work_dir, supernodes, validation_fraction, validation_source, extra):
         calls.append((work_dir.name, validation_fraction, dict(extra)))
         seeds.append(seed)
+        sources.append(validation_source)
         return {"final_accuracy": 0.61, "final_epsilon": 0.998, "noise_multiplier": 31.1,
                 "config": {"personal-coupling": "decoupled"}}
 
@@ -120,6 +125,17 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
     assert read_rows(tmp_path / "tuning.csv")[-1]["seed"] == "1"
     assert _main(tune, monkeypatch, *common, "--seed", "1") == 0
     assert seeds == [1]
+
+    # a validation split from the unused pool is another point, in its own run folder,
+    # and the best point is chosen among points of the same source only
+    calls.clear()
+    sources.clear()
+    assert _main(tune, monkeypatch, *common, "--validation-source", "pool") == 0
+    assert [c[0] for c in calls] == ["lr0.05-plr0.05-valpool"] and sources == ["pool"]
+    assert read_rows(tmp_path / "tuning.csv")[-1]["validation_source"] == "pool"
+    assert "best on validation: lr=0.05 personal lr=0.05 C=1 -> 0.6100" in capsys.readouterr().out
+    assert _main(tune, monkeypatch, *common, "--validation-source", "pool") == 0
+    assert sources == ["pool"]
 
 
 @pytest.mark.parametrize("args", [("--method", "fedavg", "--clipping-norms", "1"),

@@ -57,3 +57,54 @@ def test_node_config_data_dir_overrides_the_run_config():
     ctx2 = Context(1, 5, {"partition-id": 0, "num-partitions": 1}, RecordDict(),
                    {"dataset": "fashion-mnist", "data-dir": "/data/default"})
     assert node_job_config(ctx2).data_dir == "/data/default"
+
+
+def _prior_of_evaluated_class(owners) -> float:
+    """Mean over owners of the share, in the owner's training split, of the class of
+    each record it is evaluated on (the accuracy of guessing from the owner's own
+    label distribution)."""
+    shares = []
+    for o in owners:
+        share = np.bincount(o.y_train, minlength=10) / len(o.y_train)
+        shares.append(np.mean(share[o.y_test]))
+    return float(np.mean(shares))
+
+
+def test_pool_validation_uses_records_no_owner_holds_and_keeps_training_splits():
+    plain = load_partitions("digits", "", 8, 8, 600, 1, 0, "balanced", 0.0)
+    pool = load_partitions("digits", "", 8, 8, 600, 1, 0, "balanced", 0.1, "pool")
+    held = {row.tobytes() for o in plain for row in o.x_train}
+    test = {row.tobytes() for o in plain for row in o.x_test}
+    seen: set[bytes] = set()
+    for p, v in zip(plain, pool, strict=True):
+        assert np.array_equal(p.x_train, v.x_train) and np.array_equal(p.y_train, v.y_train)
+        rows = {row.tobytes() for row in v.x_test}
+        assert not rows & held and not rows & test and not rows & seen  # unused, disjoint
+        seen |= rows
+        assert set(np.unique(v.y_test).tolist()) <= set(p.classes)
+        assert abs(len(v.y_test) - len(p.y_test)) <= 8  # dealt like the test split
+
+
+def test_carved_validation_understates_the_owners_label_prior_and_pool_does_not():
+    # ~19 training records per owner, as at n = 512 on 10,000 Fashion-MNIST records
+    plain = load_partitions("digits", "", 32, 8, 600, 1, 0, "balanced", 0.0)
+    carve = load_partitions("digits", "", 32, 8, 600, 1, 0, "balanced", 0.1, "carve")
+    pool = load_partitions("digits", "", 32, 8, 600, 1, 0, "balanced", 0.1, "pool")
+    on_test, on_carve, on_pool = (_prior_of_evaluated_class(o) for o in (plain, carve, pool))
+    assert on_carve < 0.8 * on_test  # a held-out record's class is left rarer
+    assert abs(on_pool - on_test) < 0.01
+
+
+def test_pool_validation_fails_naming_the_key_when_no_records_are_left():
+    with pytest.raises(ValueError, match="validation-source"):
+        load_partitions("digits", "", 4, 8, 0, 1, 0, "balanced", 0.1, "pool")
+
+
+def test_validation_source_is_checked_at_start_up():
+    from flwr_jdp.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="'validation-source'"):
+        parse_config({"validation-source": "test"})
+    with pytest.raises(ConfigError, match="'validation-source'.*validation-fraction"):
+        parse_config({"validation-source": "pool"})
+    assert parse_config({"validation-source": "pool", "validation-fraction": 0.1}).validation_source == "pool"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from flwr_jdp.config import FINETUNE_LEARNING_RATE
 from flwr_jdp.models.seed_cnn import SeedCNN
-from flwr_jdp.reproduce.joint_dp import PERSONAL_RULES, Cell, read_rows
+from flwr_jdp.reproduce.joint_dp import PERSONAL_RULES, Cell, hparams_for, read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,6 +49,26 @@ def table1(rows: list[dict[str, str]]) -> str:
                    and (method != "joint-dp" or _rule(r) == "fc1") and not _overridden(r)]
             cells.append(_fmt(hit[-1]) if hit else "not run")
         lines.append(f"| {ds} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def chosen_rate_table(rows: list[dict[str, str]]) -> str:
+    """Table 1 cells (FC1 personal) run at a shared learning rate chosen on
+    validation (``learning_rate`` set in ``table1.csv``), beside the same cell at the
+    :data:`HPARAMS` rate; the latest row of each."""
+    lines = ["| n | method | trust | ε | learning rate | accuracy at it | HPARAMS rate | accuracy at HPARAMS rate |",
+             "|---|---|---|---|---|---|---|---|"]
+    picked = [r for r in rows if cell_of(r).lr and _rule(r) == "fc1"]
+    for key in sorted({(int(r["owners"]), r["method"], r["trust"], float(r["epsilon"]), cell_of(r).lr)
+                       for r in picked}):
+        n, method, trust, eps, lr = key
+        same = [r for r in rows if (int(r["owners"]), r["method"], r["trust"], float(r["epsilon"])) == key[:4]
+                and _rule(r) == "fc1"]
+        chosen = [r for r in same if cell_of(r).lr == lr]
+        base = [r for r in same if not _overridden(r)]
+        default_lr = hparams_for(method, trust)["learning-rate"]
+        lines.append(f"| {n} | {method} | {trust} | {eps:g} | {lr:g} | {_fmt(chosen[-1])} | {default_lr:g} | "
+                     + (_fmt(base[-1]) if base else "not run") + " |")
     return "\n".join(lines)
 
 
@@ -176,7 +196,8 @@ def timing(rows: list[dict[str, str]], runs: Path) -> str:
     seen = set()
     for r in sorted(rows, key=lambda r: (int(r["owners"]), r["method"], r["trust"])):
         cell = cell_of(r)
-        if cell.name in seen or cell.records_per_user != 1 or (cell.dp and cell.epsilon != 1.0):
+        if (cell.name in seen or cell.records_per_user != 1 or (cell.dp and cell.epsilon != 1.0)
+                or _overridden(r)):
             continue
         seen.add(cell.name)
         secs = run_seconds(runs, cell)
@@ -444,7 +465,7 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
 
 #: Values an empty tuning-table cell stands for (rows from before the column existed).
 _TUNING_DEFAULTS = {"ema_decay": "0", "records_per_user": "1", "user_batch_size": "0", "finetune_epochs": "0",
-                    "finetune_learning_rate": "-", "seed": "0", "augment_shift": "0"}
+                    "finetune_learning_rate": "-", "seed": "0", "augment_shift": "0", "validation_source": "carve"}
 
 
 def main() -> int:
@@ -461,6 +482,9 @@ def main() -> int:
         parts += ["### Table 1 (ε = 1, δ = 1e-4)", table1(t1),
                   "### Wall time of the Table 1 cells (2-core CPU, Flower Ray simulation, 2 SuperNodes)",
                   timing(t1, res / "runs")]
+        if any(cell_of(r).lr for r in t1):
+            parts += ["### Table 1 cells at a shared learning rate chosen on validation (`tune.py`; "
+                      "beside the same cell at the HPARAMS rate)", chosen_rate_table(t1)]
     if f1:
         parts += ["### Figure 1 points (record level, FC1 personal; T1: the Table 1 cell at ε = 1)",
                   figure1_points(f1, t1, res / "runs")]
@@ -489,7 +513,7 @@ def main() -> int:
     tuning = read_rows(res / "tuning.csv")
     if tuning:
         keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
-                "validation_fraction",
+                "validation_fraction", "validation_source",
                 "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
                 "user_batch_size", "finetune_epochs", "finetune_learning_rate", "augment_shift", "noise_multiplier", "final_epsilon", "seed")
         lines = ["| " + " | ".join(keys) + " | shared params | validation accuracy |", "|" + "---|" * (len(keys) + 2)]

@@ -30,6 +30,14 @@ are unchanged).
 The grid is the product of the learning rates, personal learning rates, clipping
 norms, decays, user batches, adaptations and shifts.
 
+``--validation-source pool`` takes the validation split from training-set records
+that no owner holds (outside the 10,000 used), dealt to the owners as the test split
+is; the owners then train on all their records, as in the cell being tuned. The
+default, ``carve``, holds out part of each owner's records, which with ~20-40 records
+per owner (n = 256, 512) leaves a held-out record's class rarer in the owner's
+training split and so understates personal models (see
+:mod:`flwr_jdp.data.partition`).
+
 ``--seed 1`` runs the grid on another seed (another split, initialisation and
 validation carve-out); the seed is part of a point, so a finalist can be checked on
 a second seed.
@@ -54,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
            "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
            "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay", "records_per_user",
-           "user_batch_size", "finetune_epochs", "finetune_learning_rate", "seed", "augment_shift")
+           "user_batch_size", "finetune_epochs", "finetune_learning_rate", "seed", "augment_shift",
+           "validation_source")
 
 
 def _added_columns(r: dict[str, str]) -> dict[str, str]:
@@ -62,13 +71,14 @@ def _added_columns(r: dict[str, str]) -> dict[str, str]:
     used: the clipping norm of :data:`HPARAMS` (empty for a cell without DP), no
     moving average (``ema_decay`` 0), the record level (``records_per_user`` 1, so
     ``user_batch_size`` 0), no adaptation before evaluation (``finetune_epochs`` 0),
-    seed 0 (the only seed tuned before the column), no augmentation (``augment_shift`` 0)."""
+    seed 0 (the only seed tuned before the column), no augmentation (``augment_shift`` 0),
+    a validation split carved from the owners' records (``validation_source`` carve)."""
     old = Cell(r["dataset"], int(r["owners"]), r["method"],
                r["trust"] if r["trust"] != "-" else "local",
                float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
     return {"clipping_norm": f"{old.hparams['clipping-norm']:g}" if old.dp else "", "ema_decay": "0",
             "records_per_user": "1", "user_batch_size": "0", **finetune_columns(0, 0.0), "seed": "0",
-            "augment_shift": "0"}
+            "augment_shift": "0", "validation_source": "carve"}
 
 
 def upgrade_table(table: Path) -> list[dict[str, str]]:
@@ -116,6 +126,9 @@ def main() -> int:
                         help="pixels of random translation of the owners' own training batches to try "
                         "(run-config augment-shift; default 0 = none)")
     parser.add_argument("--validation-fraction", type=float, default=0.1)
+    parser.add_argument("--validation-source", choices=("carve", "pool"), default="carve",
+                        help="carve: --validation-fraction of each owner's training records; pool: "
+                        "training-set records no owner holds, dealt like the test split")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--supernodes", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "results" / "joint_dp"))
@@ -170,13 +183,13 @@ def main() -> int:
         key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
                f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}", clip_txt,
                f"{decay:g}", mr, f"{ub:g}", ft_cols["finetune_epochs"], ft_cols["finetune_learning_rate"],
-               str(args.seed), str(shift))
+               str(args.seed), str(shift), args.validation_source)
         if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"], r["personal_layers"],
                 r["learning_rate"], r["personal_learning_rate"], r["clipping_norm"],
                 r.get("ema_decay") or "0", r.get("records_per_user") or "1",
                 r.get("user_batch_size") or "0", r.get("finetune_epochs") or "0",
                 r.get("finetune_learning_rate") or "-", r.get("seed") or "0",
-                r.get("augment_shift") or "0") == key for r in rows):
+                r.get("augment_shift") or "0", r.get("validation_source") or "carve") == key for r in rows):
             print(f"skip {point} (in {table.name})", flush=True)
             continue
         extra = {"learning-rate": lr, "personal-learning-rate": plr}
@@ -196,9 +209,12 @@ def main() -> int:
         if shift:
             extra["augment-shift"] = shift
             run_dir += f"-aug{shift}"
+        if args.validation_source != "carve":
+            run_dir += f"-val{args.validation_source}"
         t0 = time.time()
         res = run_seed(cell, args.seed, args.data_dir, work / run_dir, args.supernodes,
-                       validation_fraction=args.validation_fraction, extra=extra)
+                       validation_fraction=args.validation_fraction,
+                       validation_source=args.validation_source, extra=extra)
         if res.get("final_accuracy") is None:
             raise RuntimeError(f"{point}: no round completed (status {res.get('status')})")
         row = dict(zip(COLUMNS, (*key[:6], res["config"].get("personal-coupling", ""),
@@ -214,7 +230,8 @@ def main() -> int:
     mine = [r for r in rows if (r["dataset"], r["owners"], r["method"], r["trust"], r["personal_layers"])
             == (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-", cell.personal)
             and r["epsilon"] == (f"{cell.epsilon:g}" if cell.dp else "inf")
-            and (r.get("records_per_user") or "1") == mr and (r.get("seed") or "0") == str(args.seed)]
+            and (r.get("records_per_user") or "1") == mr and (r.get("seed") or "0") == str(args.seed)
+            and (r.get("validation_source") or "carve") == args.validation_source]
     best = max(mine, key=lambda r: float(r["val_acc"]))
     print(f"best on validation: lr={best['learning_rate']} personal lr={best['personal_learning_rate']}"
           + (f" C={best['clipping_norm']}" if best["clipping_norm"] else "")

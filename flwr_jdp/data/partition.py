@@ -18,8 +18,26 @@ the classes of its training split, and the test records of each class are dealt
 evenly among the owners holding that class.
 
 For hyperparameter tuning, ``validation_fraction > 0`` replaces every owner's test
-split by a validation split carved (seeded, stratified by nothing but the owner)
-from its own *training* split; the test set is then not touched at all.
+split by a validation split of *training-set* records; the test set is then not
+touched at all. Two sources (``validation_source``):
+
+``carve`` (default)
+    a seeded random ``validation_fraction`` of the owner's own training split; the
+    owner trains on the rest. With few records per owner this is pessimistic for
+    models that lean on the owner's own label distribution (personal layers,
+    per-silo training): a held-out record leaves its class rarer in what the owner
+    trains on. On Fashion-MNIST, N = 10,000, 8 classes per owner, the class of a
+    held-out record has, on average, 0.083 of the remaining training records at
+    n = 512 and 0.103 at n = 256, against 0.125 for a test record
+    (``examples/joint_dp/validation_bias.py``; ``tests/test_partition.py`` checks
+    the effect on the embedded digits).
+``pool``
+    training-set records that no owner holds (outside the ``max_records`` subset),
+    dealt exactly as the test split is: for every class as many as the test set
+    holds, split evenly among the owners of that class. The owners' training splits
+    are those of the test runs, unchanged, so a tuning run trains on exactly the
+    records (and under exactly the privacy schedule) of the cell it tunes;
+    ``validation_fraction`` only switches validation on.
 """
 
 from __future__ import annotations
@@ -49,11 +67,21 @@ class OwnerData:
         return int(self.user_ids.max()) + 1 if len(self.user_ids) else 0
 
 
+VALIDATION_SOURCES = ("carve", "pool")
+
+
+def _subset_index(num_train: int, max_records: int, seed: int) -> np.ndarray:
+    """Training-set indices of the pathological partitioner's random subset."""
+    if max_records <= 0 or max_records >= num_train:
+        return np.arange(num_train)
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(num_train, size=max_records, replace=False))
+
+
 def _subset(ds: ArrayDataset, max_records: int, seed: int) -> ArrayDataset:
     if max_records <= 0 or max_records >= len(ds.y_train):
         return ds
-    rng = np.random.default_rng(seed)
-    idx = np.sort(rng.choice(len(ds.y_train), size=max_records, replace=False))
+    idx = _subset_index(len(ds.y_train), max_records, seed)
     return ArrayDataset(ds.x_train[idx], ds.y_train[idx], ds.x_test, ds.y_test)
 
 
@@ -156,6 +184,33 @@ def _split_test(y_test: np.ndarray, classes: tuple[tuple[int, ...], ...], seed: 
     return [np.sort(np.asarray(p, dtype=np.int64)) for p in per_owner]
 
 
+def split_pool(y_train: np.ndarray, used: np.ndarray, y_test: np.ndarray,
+               classes: tuple[tuple[int, ...], ...], seed: int) -> list[np.ndarray]:
+    """Validation indices (into the training set) per owner, from the training
+    records whose indices are not in ``used``: for every class, as many as
+    ``y_test`` holds of it, split evenly among the owners holding the class, as
+    :func:`_split_test` deals the test records. Raises ``ValueError`` naming the
+    class when fewer records are left than the class has owners."""
+    rng = np.random.default_rng([seed, 29])
+    free = np.ones(len(y_train), dtype=bool)
+    free[np.asarray(used, dtype=np.int64)] = False
+    per_owner: list[list[int]] = [[] for _ in classes]
+    for c in np.unique(y_test):
+        holders = [o for o, cls in enumerate(classes) if int(c) in cls]
+        if not holders:
+            continue
+        pool = np.flatnonzero(free & (y_train == c))
+        if len(pool) < len(holders):
+            raise ValueError(
+                f"run-config key 'validation-source'='pool': class {int(c)} has {len(pool)} "
+                f"training records outside the 'max-records' subset, fewer than its "
+                f"{len(holders)} owners; lower 'max-records' or use 'carve'")
+        idx = rng.permutation(pool)[: int(np.sum(y_test == c))]
+        for k, chunk in enumerate(np.array_split(idx, len(holders))):
+            per_owner[holders[k]].extend(chunk.tolist())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in per_owner]
+
+
 def assign_users(num_records: int, records_per_user: int, seed: int) -> np.ndarray:
     """Group an owner's records into users of ``records_per_user`` records each."""
     rng = np.random.default_rng(seed)
@@ -176,8 +231,14 @@ def load_partitions(
     seed: int,
     partitioner: str = "balanced",
     validation_fraction: float = 0.0,
+    validation_source: str = "carve",
 ) -> tuple[OwnerData, ...]:
-    """All owners' data for one configuration, built once per process."""
+    """All owners' data for one configuration, built once per process.
+
+    ``validation_fraction > 0`` evaluates on a validation split from ``validation_source``
+    (module docstring) instead of the test split."""
+    if validation_source not in VALIDATION_SOURCES:
+        raise ValueError(f"validation_source must be one of {VALIDATION_SOURCES}, got {validation_source!r}")
     full = load_dataset(dataset, data_dir, seed)
     ds = _subset(full, max_records, seed) if partitioner == "pathological" else full
     total = len(full.y_train) if max_records <= 0 else min(max_records, len(full.y_train))
@@ -192,11 +253,18 @@ def load_partitions(
     else:
         raise ValueError(f"partitioner must be 'balanced' or 'pathological', got {partitioner!r}")
     test_idx = _split_test(ds.y_test, classes, seed)
+    pooled = validation_fraction > 0 and validation_source == "pool"
+    if pooled:  # indices into the full training set of every record some owner may hold
+        used = (_subset_index(len(full.y_train), max_records, seed) if partitioner == "pathological"
+                else np.concatenate(indices))
+        val_idx = split_pool(full.y_train, used, ds.y_test, classes, seed)
     owners = []
     for o in range(num_owners):
         tr = indices[o]
         x_test, y_test = ds.x_test[test_idx[o]], ds.y_test[test_idx[o]]
-        if validation_fraction > 0:
+        if pooled:
+            x_test, y_test = full.x_train[val_idx[o]], full.y_train[val_idx[o]]
+        elif validation_fraction > 0:
             perm = np.random.default_rng([seed, o, 17]).permutation(tr)
             held = int(round(validation_fraction * len(tr)))
             held = min(max(held, 1), len(tr) - 1) if len(tr) > 1 else 0

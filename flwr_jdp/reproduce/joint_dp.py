@@ -41,6 +41,9 @@ FC1 personal); and at n = 4, m/r = 10 (user level) the users per DP batch (32 fo
 joint DP under local noise, 64 for full DP under central noise, against 3.2 by default),
 and at n = 256, m/r = 10 (user level, local noise) joint DP's shared learning rate
 (0.0015625 to 0.05; 0.003125 chosen: the owners' updates are mostly noise there),
+and at n = 512 under central noise the shared learning rate of both DP methods (0.5 to 4;
+2 chosen on a validation split from the unused training records, ``--validation-source
+pool``, which unlike the carved split leaves every owner's training records as they are),
 in ``results/joint_dp/tuning.csv``. A cell's ``lr`` (shared learning rate), ``personal_lr``,
 ``ema_decay`` and ``user_batch`` (users per DP batch at the user level, run-config
 ``user-batch-size``) override :data:`HPARAMS` for settings chosen that way, and its
@@ -237,8 +240,8 @@ def schedule_for(owners: int) -> tuple[int, int]:
 
 def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
                local_epochs: int | None = None, rounds: int | None = None,
-               validation_fraction: float = 0.0, max_records: int = 10_000,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+               validation_fraction: float = 0.0, validation_source: str = "carve",
+               max_records: int = 10_000, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The Flower run config of one seed of ``cell``."""
     e, t = schedule_for(cell.owners)
     cfg: dict[str, Any] = {
@@ -279,6 +282,8 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
         cfg["finetune-learning-rate"] = cell.finetune_lr
     if cell.augment:
         cfg["augment-shift"] = cell.augment
+    if validation_source != "carve":
+        cfg["validation-source"] = validation_source
     cfg.update(extra or {})
     parse_config(cfg)  # fail early with the key's name
     return cfg
