@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from .config import FINETUNE_LEARNING_RATE
+from .data.partition import VALIDATION_SOURCES
 from .privacy import events as ev
 from .privacy.accountants import ACCOUNTANTS, epsilon
 from .privacy.calibration import calibrate
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     jdp.add_argument("--rounds", type=_positive(int), default=None, help="default: paper Table 3")
     jdp.add_argument("--validation-fraction", type=float, default=0.0,
                      help="> 0: evaluate on a validation split of the training data (tuning)")
-    jdp.add_argument("--validation-source", choices=("carve", "pool"), default="carve",
+    jdp.add_argument("--validation-source", choices=VALIDATION_SOURCES, default="carve",
                      help="carve: part of each owner's training records; pool: training-set records "
                      "outside the 10,000 used, dealt like the test split (owners train on all theirs)")
     jdp.add_argument("--table", default="table.csv", help="CSV file name inside --out")

@@ -70,9 +70,10 @@ def _prior_of_evaluated_class(owners) -> float:
     return float(np.mean(shares))
 
 
-def test_pool_validation_uses_records_no_owner_holds_and_keeps_training_splits():
-    plain = load_partitions("digits", "", 8, 8, 600, 1, 0, "balanced", 0.0)
-    pool = load_partitions("digits", "", 8, 8, 600, 1, 0, "balanced", 0.1, "pool")
+@pytest.mark.parametrize("partitioner", ["balanced", "pathological"])
+def test_pool_validation_uses_records_no_owner_holds_and_keeps_training_splits(partitioner):
+    plain = load_partitions("digits", "", 8, 8, 600, 1, 0, partitioner, 0.0)
+    pool = load_partitions("digits", "", 8, 8, 600, 1, 0, partitioner, 0.1, "pool")
     held = {row.tobytes() for o in plain for row in o.x_train}
     test = {row.tobytes() for o in plain for row in o.x_test}
     seen: set[bytes] = set()

@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 from flwr_jdp.config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT
+from flwr_jdp.data.partition import VALIDATION_SOURCES
 from flwr_jdp.reproduce.joint_dp import Cell, append_row, finetune_columns, run_seed
 from flwr_jdp.reproduce.joint_dp import upgrade_table as upgrade_rows
 
@@ -126,7 +127,7 @@ def main() -> int:
                         help="pixels of random translation of the owners' own training batches to try "
                         "(run-config augment-shift; default 0 = none)")
     parser.add_argument("--validation-fraction", type=float, default=0.1)
-    parser.add_argument("--validation-source", choices=("carve", "pool"), default="carve",
+    parser.add_argument("--validation-source", choices=VALIDATION_SOURCES, default="carve",
                         help="carve: --validation-fraction of each owner's training records; pool: "
                         "training-set records no owner holds, dealt like the test split")
     parser.add_argument("--seed", type=int, default=0)
