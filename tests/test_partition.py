@@ -6,6 +6,8 @@ import pytest
 
 from flwr_jdp.data.partition import balanced_indices, load_partitions
 
+from .helpers import load_example
+
 
 @pytest.mark.parametrize("owners", [4, 16, 64, 256])
 def test_balanced_split_is_even_disjoint_and_label_skewed(owners):
@@ -59,17 +61,6 @@ def test_node_config_data_dir_overrides_the_run_config():
     assert node_job_config(ctx2).data_dir == "/data/default"
 
 
-def _prior_of_evaluated_class(owners) -> float:
-    """Mean over owners of the share, in the owner's training split, of the class of
-    each record it is evaluated on (the accuracy of guessing from the owner's own
-    label distribution)."""
-    shares = []
-    for o in owners:
-        share = np.bincount(o.y_train, minlength=10) / len(o.y_train)
-        shares.append(np.mean(share[o.y_test]))
-    return float(np.mean(shares))
-
-
 @pytest.mark.parametrize("partitioner", ["balanced", "pathological"])
 def test_pool_validation_uses_records_no_owner_holds_and_keeps_training_splits(partitioner):
     plain = load_partitions("digits", "", 8, 8, 600, 1, 0, partitioner, 0.0)
@@ -91,7 +82,8 @@ def test_carved_validation_understates_the_owners_label_prior_and_pool_does_not(
     plain = load_partitions("digits", "", 32, 8, 600, 1, 0, "balanced", 0.0)
     carve = load_partitions("digits", "", 32, 8, 600, 1, 0, "balanced", 0.1, "carve")
     pool = load_partitions("digits", "", 32, 8, 600, 1, 0, "balanced", 0.1, "pool")
-    on_test, on_carve, on_pool = (_prior_of_evaluated_class(o) for o in (plain, carve, pool))
+    share = load_example("joint_dp/validation_bias.py", "jdp_validation_bias").prior_of_evaluated_class
+    on_test, on_carve, on_pool = (share(o) for o in (plain, carve, pool))
     assert on_carve < 0.8 * on_test  # a held-out record's class is left rarer
     assert abs(on_pool - on_test) < 0.01
 

@@ -43,6 +43,7 @@ touched at all. Two sources (``validation_source``):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,17 +172,25 @@ def balanced_indices(
     return tuple(indices), held
 
 
-def _split_test(y_test: np.ndarray, classes: tuple[tuple[int, ...], ...], seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed + 1)
+def _deal_by_class(y_ref: np.ndarray, classes: tuple[tuple[int, ...], ...],
+                   draw: Callable[[int, list[int]], np.ndarray]) -> list[np.ndarray]:
+    """Indices per owner: for every class of ``y_ref`` that some owner holds (in
+    class order), ``draw(class, holders)`` gives the class's records in random order,
+    and they are split evenly among the owners holding the class."""
     per_owner: list[list[int]] = [[] for _ in classes]
-    for c in np.unique(y_test):
+    for c in np.unique(y_ref):
         holders = [o for o, cls in enumerate(classes) if int(c) in cls]
         if not holders:
             continue
-        idx = rng.permutation(np.flatnonzero(y_test == c))
+        idx = draw(int(c), holders)
         for k, chunk in enumerate(np.array_split(idx, len(holders))):
             per_owner[holders[k]].extend(chunk.tolist())
     return [np.sort(np.asarray(p, dtype=np.int64)) for p in per_owner]
+
+
+def _split_test(y_test: np.ndarray, classes: tuple[tuple[int, ...], ...], seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed + 1)
+    return _deal_by_class(y_test, classes, lambda c, _: rng.permutation(np.flatnonzero(y_test == c)))
 
 
 def split_pool(y_train: np.ndarray, used: np.ndarray, y_test: np.ndarray,
@@ -194,21 +203,17 @@ def split_pool(y_train: np.ndarray, used: np.ndarray, y_test: np.ndarray,
     rng = np.random.default_rng([seed, 29])
     free = np.ones(len(y_train), dtype=bool)
     free[np.asarray(used, dtype=np.int64)] = False
-    per_owner: list[list[int]] = [[] for _ in classes]
-    for c in np.unique(y_test):
-        holders = [o for o, cls in enumerate(classes) if int(c) in cls]
-        if not holders:
-            continue
+
+    def draw(c: int, holders: list[int]) -> np.ndarray:
         pool = np.flatnonzero(free & (y_train == c))
         if len(pool) < len(holders):
             raise ValueError(
-                f"run-config key 'validation-source'='pool': class {int(c)} has {len(pool)} "
+                f"run-config key 'validation-source'='pool': class {c} has {len(pool)} "
                 f"training records outside the 'max-records' subset, fewer than its "
                 f"{len(holders)} owners; lower 'max-records' or use 'carve'")
-        idx = rng.permutation(pool)[: int(np.sum(y_test == c))]
-        for k, chunk in enumerate(np.array_split(idx, len(holders))):
-            per_owner[holders[k]].extend(chunk.tolist())
-    return [np.sort(np.asarray(p, dtype=np.int64)) for p in per_owner]
+        return rng.permutation(pool)[: int(np.sum(y_test == c))]
+
+    return _deal_by_class(y_test, classes, draw)
 
 
 def assign_users(num_records: int, records_per_user: int, seed: int) -> np.ndarray:
