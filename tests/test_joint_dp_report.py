@@ -159,7 +159,7 @@ def test_table2_marks_personal_layers_counts_their_parameters_and_keeps_the_late
     report = _report()
     rows = []
     for rule, acc in (("none", 0.70), ("conv1", 0.60), ("fc1", 0.75), ("fc1", 0.77), ("conv1+conv2+fc1", 0.2),
-                      ("fc1+fc2", 0.9)):
+                      ("fc1+fc2", 0.9), ("conv1+conv2+fc1+norms", 0.8)):
         method = "full-dp" if rule == "none" else "joint-dp"
         row = _row(Cell("fashion-mnist", 128, method, "central", 1.0), acc)
         rows.append({k: str(v) for k, v in dict(row, personal_layers=rule).items()})
@@ -171,12 +171,15 @@ def test_table2_marks_personal_layers_counts_their_parameters_and_keeps_the_late
     assert "| YES | No | No | 416 | 0.6000 ± 0.0000 (1) |" in lines
     assert "| No | No | YES | 15,690 | 0.7700 ± 0.0000 (1) |" in lines  # the later fc1 row
     assert "| YES | YES | YES | 28,938 | 0.2000 ± 0.0000 (1) |" in lines
-    assert len(lines) == 2 + 4  # rules never run, and the FC2-personal rule beyond the paper, are left out
+    # rules never run, and the FC2-personal and GroupNorm-personal rules beyond the paper, are left out
+    assert len(lines) == 2 + 4
     assert report.personal_parameter_count("fc1+fc2") == 2 * 15_690
     assert report.personal_parameter_count("conv1+fc1+fc2") == 416 + 2 * 15_690
     # shared = all 44,724 (convs 416 + 12,832, heads 2 x 15,690, GroupNorm 96) minus personal
     assert [report.shared_parameter_count(r) for r in ("fc1", "conv1+conv2+fc1", "fc1+fc2", "conv1+fc1+fc2")] == [
         29_034, 15_786, 13_344, 12_928]
+    # with the GroupNorm parameters personal too, only FC2 is shared
+    assert report.shared_parameter_count("conv1+conv2+fc1+norms") == 15_690
 
 
 def test_table4_has_one_line_per_records_per_user_bolds_dp_above_per_silo_and_falls_back_to_table1():

@@ -13,17 +13,21 @@ central-noise curves dotted. Table 1's epsilon = 1 cells are points of the curve
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
-import re
 import statistics
 import sys
 from pathlib import Path
 
 from flwr_jdp.config import FINETUNE_LEARNING_RATE
-from flwr_jdp.models.seed_cnn import SeedCNN
-from flwr_jdp.reproduce.joint_dp import PERSONAL_RULES, Cell, hparams_for, read_rows
+from flwr_jdp.reproduce.joint_dp import (
+    PERSONAL_RULES,
+    Cell,
+    hparams_for,
+    personal_parameter_count,
+    read_rows,
+    shared_parameter_count,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -248,25 +252,6 @@ def generic(rows: list[dict[str, str]], keys: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-@functools.cache
-def _seed_cnn_sizes() -> dict[str, int]:
-    """Parameter name -> size of the seed CNN (28x28 grey images, GroupNorm); built once."""
-    return {name: p.numel() for name, p in SeedCNN().named_parameters()}
-
-
-def personal_parameter_count(rule: str) -> int:
-    """Parameters of the seed CNN that ``rule`` keeps personal."""
-    pattern = PERSONAL_RULES[rule]
-    if not pattern:
-        return 0
-    return sum(size for name, size in _seed_cnn_sizes().items() if re.search(pattern, name))
-
-
-def shared_parameter_count(rule: str) -> int:
-    """Parameters of the seed CNN that ``rule`` shares (the ones the DP noise covers)."""
-    return sum(_seed_cnn_sizes().values()) - personal_parameter_count(rule)
-
-
 def table2(rows: list[dict[str, str]]) -> str:
     """Table 2 in the paper's layout: which of Conv1, Conv2, FC1 are personal (FC2 is
     always shared), how many parameters that keeps personal, and the accuracy under
@@ -277,7 +262,7 @@ def table2(rows: list[dict[str, str]]) -> str:
     lines = [head, "|" + "---|" * (4 + len(trusts))]
     for rule in PERSONAL_RULES:
         parts = rule.split("+")
-        if "fc2" in parts:  # beyond the paper's table, whose FC2 is always shared
+        if "fc2" in parts or "norms" in parts:  # beyond the paper's table (FC2 shared, no norms)
             continue
         cells = []
         for trust in trusts:

@@ -54,9 +54,11 @@ model to the owner's own records (run-config ``finetune-epochs``).
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import os
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +92,11 @@ PERSONAL_RULES = {
     "conv1+conv2+fc1": r"^(conv1|conv2|fc1)\.",
     "fc1+fc2": r"^(fc1|fc2)\.",
     "conv1+fc1+fc2": r"^(conv1|fc1|fc2)\.",
+    # Beyond the paper (whose CNN has no normalisation layers): Conv1, Conv2 and FC1
+    # personal together with the GroupNorm affine parameters that follow each conv,
+    # so only FC2 is shared. Under ``conv1+conv2+fc1`` those GroupNorm parameters are
+    # shared and noised although they rescale personal conv outputs.
+    "conv1+conv2+fc1+norms": r"^(conv1|norm1|conv2|norm2|fc1)\.",
 }
 
 #: Hyperparameters per (method, trust). Chosen a priori (not tuned on any test
@@ -230,6 +237,27 @@ class Cell:
                 + (f"-ub{self.user_batch:g}" if self.user_batch else "")
                 + (f"-ft{self.finetune_epochs}-ftlr{self.finetune_lr:g}" if self.finetune_epochs else "")
                 + (f"-aug{self.augment}" if self.augment else ""))
+
+
+@functools.cache
+def _seed_cnn_sizes() -> dict[str, int]:
+    """Parameter name -> size of the seed CNN (28x28 grey images, GroupNorm); built once."""
+    from ..models.seed_cnn import SeedCNN  # torch only when counted
+
+    return {name: p.numel() for name, p in SeedCNN().named_parameters()}
+
+
+def personal_parameter_count(rule: str) -> int:
+    """Parameters of the seed CNN that the :data:`PERSONAL_RULES` entry ``rule`` keeps personal."""
+    pattern = PERSONAL_RULES[rule]
+    if not pattern:
+        return 0
+    return sum(size for name, size in _seed_cnn_sizes().items() if re.search(pattern, name))
+
+
+def shared_parameter_count(rule: str) -> int:
+    """Parameters of the seed CNN that ``rule`` shares (the ones the DP noise covers)."""
+    return sum(_seed_cnn_sizes().values()) - personal_parameter_count(rule)
 
 
 def schedule_for(owners: int) -> tuple[int, int]:
@@ -417,6 +445,6 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-__all__ = ["COLUMNS", "Cell", "HPARAMS", "METHODS", "PAPER_SCHEDULE", "PERSONAL_RULES",
-           "TRUST", "append_row", "finetune_columns", "hparams_for", "read_rows", "run_cell", "run_config", "run_seed", "schedule_for",
-           "upgrade_table"]
+__all__ = ["COLUMNS", "Cell", "HPARAMS", "METHODS", "PAPER_SCHEDULE", "PERSONAL_RULES", "TRUST", "append_row",
+           "finetune_columns", "hparams_for", "personal_parameter_count", "read_rows", "run_cell", "run_config",
+           "run_seed", "schedule_for", "shared_parameter_count", "upgrade_table"]
