@@ -55,6 +55,22 @@ def test_alpha_sweep_keeps_learning_rates_apart(tmp_path):
     assert not report.plot_alpha(rows[4:], tmp_path / "b.png")
 
 
+def test_the_chosen_rate_sweep_joins_one_method_across_its_rates_and_skips_untested_choices(tmp_path):
+    report = _report()
+    methods = [{"run": "local-group-dp", "alpha": a, "learning_rate": lr, "test_seeds": k, "test_mean": m,
+                "test_std": sd} for a, lr, k, m, sd in [(1.0, 0.2, 3, 0.34, 0.07), (8.0, 0.05, 2, 0.12, 0.0),
+                                                        (16.0, 0.05, 0, "", "")]]
+    rates = [{"run": "higradavg-subject-sampling-b128", "alpha": 1.0, "batch": 128, "learning_rate": 0.1,
+              "test_seeds": 2, "test_mean": 0.25, "test_std": 0.01},
+             {"run": "higradavg-subject-sampling", "alpha": 2.0, "batch": 256, "learning_rate": 0.1,
+              "test_seeds": 2, "test_mean": 0.23, "test_std": 0.01}]
+    series = report.alpha_series(report.chosen_rows(methods, rates))
+    assert series == {"local-group-dp (rate chosen per alpha)": [(1.0, 0.34, 0.07), (8.0, 0.12, 0.0)],
+                      "higradavg-subject-sampling (batch and rate chosen per alpha)": [(1.0, 0.25, 0.01),
+                                                                                       (2.0, 0.23, 0.01)]}
+    assert report.plot_alpha(report.chosen_rows(methods, rates), tmp_path / "c.png")
+
+
 def test_seeds_are_averaged_and_their_spread_reaches_the_alpha_sweep():
     report = _report()
     rows = [{"run": "fedavg", "alpha": a, "learning_rate": 0.2, "acc_final": acc, "seed": k}

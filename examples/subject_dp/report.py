@@ -10,6 +10,9 @@ are prefixed ``shakespeare_``):
 - ``batch_histograms.png``: per batch, the largest number of records of one
   subject (group size Z) and the number of distinct subjects (paper Figure 2 c, d);
 - ``alpha_sweep.png``: final accuracy against alpha per run, when several alphas ran;
+- ``alpha_sweep_chosen.png`` (FEMNIST): the same at the learning rate (and, for
+  subject sampling, the batch) chosen on validation at each alpha, from the choice
+  files below, one line per method whatever its rate;
 - ``batch_choice.csv`` (FEMNIST): for subject-sampled HiGradAvgDP, the subject batch
   chosen at each alpha by validation accuracy (mean over the validation seeds every
   batch ran, one learning rate), and the test accuracy of the chosen batch;
@@ -127,7 +130,7 @@ def alpha_series(rows: list[dict]) -> dict[str, list[tuple[float, float, float]]
     never mixing rates; a series needs at least two alphas."""
     by_run: dict[str, list[tuple[float, float, float]]] = {}
     for r in rows:
-        label = f"{r['run']} (lr {float(r['learning_rate']):g})"
+        label = r.get("label") or f"{r['run']} (lr {float(r['learning_rate']):g})"
         by_run.setdefault(label, []).append((float(r["alpha"]), float(r["acc_mean"]),
                                              float(r.get("acc_std") or 0.0)))
     return {k: sorted(v) for k, v in by_run.items() if len({p[0] for p in v}) > 1}
@@ -158,6 +161,25 @@ def plot_alpha(rows: list[dict], out: Path) -> bool:
 
 
 SUBJECT_SAMPLING = "higradavg-subject-sampling"
+
+
+def chosen_rows(methods: list[dict], rates: list[dict]) -> list[dict]:
+    """Rows for :func:`plot_alpha` at the settings chosen on validation at each alpha:
+    ``method_learning_rate_choice.csv`` rows (one rate per run and alpha) and
+    ``learning_rate_choice.csv`` rows (subject sampling, batch then rate per alpha), each
+    with its test mean and std; choices never run on test are left out. The label
+    names the method, not the rate, so one line may join several rates."""
+    out = []
+    for r in methods:
+        if int(r["test_seeds"] or 0):
+            out.append({"label": f"{r['run']} (rate chosen per alpha)", "run": r["run"], "alpha": r["alpha"],
+                        "learning_rate": r["learning_rate"], "acc_mean": r["test_mean"], "acc_std": r["test_std"]})
+    for r in rates:
+        if int(r["test_seeds"] or 0):
+            out.append({"label": f"{SUBJECT_SAMPLING} (batch and rate chosen per alpha)", "run": r["run"],
+                        "alpha": r["alpha"], "learning_rate": r["learning_rate"], "acc_mean": r["test_mean"],
+                        "acc_std": r["test_std"]})
+    return out
 
 
 def _test_summary(accs: list[float]) -> dict:
@@ -339,6 +361,8 @@ def main() -> None:
     plot_histograms(runs, folder / f"{prefix}batch_histograms.png", TITLES[args.dataset])
     plot_alpha(rows, folder / f"{prefix}alpha_sweep.png")
     choice, rates, methods = write_choices(folder / "runs", folder) if args.dataset == "femnist" else ([], [], [])
+    if methods:
+        plot_alpha(chosen_rows(methods, rates), folder / "alpha_sweep_chosen.png")
     cols = ["run", "alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "epsilon", "unit",
             "learning_rate", "seeds", "acc_final"]
     print("| " + " | ".join(cols) + " |")
