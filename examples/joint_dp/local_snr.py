@@ -31,13 +31,13 @@ writes ``results/joint_dp/local_snr.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 from pathlib import Path
 
 from flwr_jdp.config import parse_config
 from flwr_jdp.privacy.schedule import OwnerSize, build_schedule, calibrate_schedule
 from flwr_jdp.reproduce.joint_dp import PAPER_SCHEDULE, Cell, run_config, shared_parameter_count
+from flwr_jdp.reproduce.results_csv import write_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 10_000
@@ -98,13 +98,7 @@ def main() -> int:
     for eps in (2.0, 5.0, 10.0):  # and epsilon
         rows.append(bound(Cell("fashion-mnist", 256, "joint-dp", "local", eps), "sweep", epsilon=eps))
         print(rows[-1], flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    print(f"wrote {write_csv(args.out, rows, FIELDS)}")
     return 0
 
 

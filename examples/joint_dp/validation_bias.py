@@ -17,12 +17,12 @@ writes ``results/joint_dp/validation_bias.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import numpy as np
 
 from flwr_jdp.data.partition import load_partitions
+from flwr_jdp.reproduce.results_csv import write_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,13 +61,7 @@ def main() -> int:
                          "eval_records_per_owner": round(float(np.mean(evald)), 1),
                          "share_of_evaluated_class": round(float(np.mean(vals)), 4)})
             print(rows[-1], flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    print(f"wrote {write_csv(args.out, rows)}")
     return 0
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flwr_jdp.reproduce.results_csv import write_csv
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import SubjectDPConfig
 from flwr_jdp.subject.group_privacy import noise_per_subject_sensitivity
@@ -70,14 +71,6 @@ def write_map(path: Path, alphas: list[float], data_dir: str, dataset: str = "fe
     rows += [map_row(a, data_dir, dataset) for a in alphas]
     rows.sort(key=lambda r: float(r["alpha"]))
     write_csv(path, rows)
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def group_noise_rows(alpha: float, data_dir: str, dataset: str = "femnist") -> list[dict]:

@@ -40,6 +40,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from flwr_jdp.reproduce.results_csv import write_csv  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -324,14 +326,6 @@ def method_rate_choice(docs: list[dict], alpha: float = 1.0) -> list[dict]:
     return out
 
 
-def _write_csv(rows: list[dict], out: Path) -> None:
-    if rows:
-        with out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-
-
 def write_choices(folder: Path, out_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
     """``batch_choice.csv``, ``learning_rate_choice.csv`` and
     ``method_learning_rate_choice.csv`` from the FEMNIST run files."""
@@ -341,9 +335,9 @@ def write_choices(folder: Path, out_dir: Path) -> tuple[list[dict], list[dict], 
     rates = learning_rate_choice(docs, batches)
     alphas = sorted({float(d["row"]["alpha"]) for d in docs if d["row"]["evaluate_on"] == "validation"})
     methods = [row for alpha in alphas for row in method_rate_choice(docs, alpha)]
-    _write_csv(batches, out_dir / "batch_choice.csv")
-    _write_csv(rates, out_dir / "learning_rate_choice.csv")
-    _write_csv(methods, out_dir / "method_learning_rate_choice.csv")
+    write_csv(out_dir / "batch_choice.csv", batches)
+    write_csv(out_dir / "learning_rate_choice.csv", rates)
+    write_csv(out_dir / "method_learning_rate_choice.csv", methods)
     return batches, rates, methods
 
 

@@ -31,7 +31,6 @@ Writes ``results/subject_dp/scale.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from flwr_jdp.privacy.horizontal import subject_inclusion_rate
+from flwr_jdp.reproduce.results_csv import write_csv
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import SubjectDPConfig
 from flwr_jdp.subject.plan import make_plan
@@ -92,13 +92,7 @@ def main() -> None:
         row = scale_row(cfg, resample_writers(real, n), parameters)
         print(row, flush=True)
         rows.append(row)
-    out = Path(args.results) / "scale.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {out}")
+    print(f"wrote {write_csv(Path(args.results) / 'scale.csv', rows, FIELDS)}")
 
 
 if __name__ == "__main__":
