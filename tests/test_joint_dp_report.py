@@ -258,9 +258,9 @@ def test_table1_joint_dp_cell_is_fc1_personal_and_other_rules_get_their_own_tabl
     assert line.split(" | ")[5] == "0.7100 ± 0.0000 (1)"  # joint-DP local: the FC1 row
     lines = report.personal_rule_table(rules, t1).splitlines()
     # 44,724 parameters in all, 28,938 of them personal under this rule
-    assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | none | 0 | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
+    assert ("| 256 | local | conv1+conv2+fc1 | 15,786 | 0.05 | 0.05 | 0 | none | 0 | 0.7600 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
             "| 0.7000 ± 0.0000 (1) | 0.7000 ± 0.0000 (1) |  |") in lines
-    assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.05 | 0 | none | 0 | 0.5000") and "not run" in x
+    assert any(x.startswith("| 256 | central | conv1+conv2+fc1 | 15,786 | 0.05 | 1 | 0 | none | 0 | 0.5000") and "not run" in x
                for x in lines)
     assert len(lines) == 2 + 2
 
@@ -280,7 +280,7 @@ def test_validation_chosen_personal_lr_and_moving_average_get_their_own_line_pai
           {k: str(v) for k, v in _row(Cell("fashion-mnist", 256, "joint-dp"), 0.71).items()}]
     assert report.cell_of(row) == tuned
     lines = report.personal_rule_table([row], t1, tmp_path).splitlines()
-    assert lines[2] == ("| 256 | local | fc1 | 29,034 | 0.2 | 0.8 | none | 0 | 0.7500 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
+    assert lines[2] == ("| 256 | local | fc1 | 29,034 | 0.2 | 0.05 | 0.8 | none | 0 | 0.7500 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) "
                         "| 0.7000 ± 0.0000 (1) | 0.7000 ± 0.0000 (1) | +0.0500 ± 0.0000 (1 of 1 seeds above) |")
     # the tuned row never replaces Table 1's FC1 cell
     assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"
@@ -303,7 +303,7 @@ def test_adapted_cell_gets_its_own_line_and_round_trips_through_its_row(tmp_path
     t1 = [{k: str(v) for k, v in _row(silo, 0.70).items()},
           {k: str(v) for k, v in _row(Cell("fashion-mnist", 256, "joint-dp"), 0.71).items()}]
     line = report.personal_rule_table([row], t1).splitlines()[2]
-    assert line.startswith("| 256 | local | fc1 | 29,034 | 0.05 | 0 | 20 epochs at 0.02 | 0 | 0.7500")
+    assert line.startswith("| 256 | local | fc1 | 29,034 | 0.05 | 0.05 | 0 | 20 epochs at 0.02 | 0 | 0.7500")
     assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"
 
 
@@ -405,9 +405,9 @@ def test_translated_joint_dp_is_paired_with_per_silo_at_the_same_translation(tmp
     lines = report.personal_rule_table(rows, t1, tmp_path).splitlines()
     assert len(lines) == 3  # the per-silo row is a baseline, not a line of its own
     cols = lines[2].split(" | ")
-    assert cols[7] == "2"
-    assert cols[11] == "0.7500 ± 0.0000 (2)"  # per-silo at the same translation
-    assert cols[12] == "+0.0050 ± 0.0212 (1 of 2 seeds above) |"
+    assert cols[8] == "2"
+    assert cols[12] == "0.7500 ± 0.0000 (2)"  # per-silo at the same translation
+    assert cols[13] == "+0.0050 ± 0.0212 (1 of 2 seeds above) |"
 
 
 def test_table1_cells_at_a_chosen_learning_rate_are_listed_beside_the_default_and_not_timed_as_table1(tmp_path):
@@ -424,3 +424,17 @@ def test_table1_cells_at_a_chosen_learning_rate_are_listed_beside_the_default_an
     assert "| 8 | full-dp | central | 1 | 100 |" in timed and "| 40 |" not in timed
     assert "Row n = 8 (one seed of each cell run): 100 s" in timed
     assert "0.7000" in report.table1(rows) and "0.7400" not in report.table1(rows)
+
+
+def test_a_chosen_shared_rate_keeps_rule_table_lines_apart_and_is_shown():
+    """Two central rows alike but for the shared learning rate get a line each, showing it."""
+    report = _report()
+    t1 = [{k: str(v) for k, v in _row(Cell("fashion-mnist", 512, "per-silo"), 0.64).items()}]
+    rows = []
+    for lr, acc in ((0.0, 0.72), (2.0, 0.75)):
+        cell = Cell("fashion-mnist", 512, "joint-dp", "central", 1.0, personal_lr=0.025, lr=lr)
+        rows.append({k: str(v) for k, v in dict(_row(cell, acc), personal_learning_rate="0.025",
+                                                 learning_rate=str(lr or "")).items()})
+    lines = report.personal_rule_table(rows, t1).splitlines()[2:]
+    assert [x.split(" | ")[4:6] for x in lines] == [["0.025", "1"], ["0.025", "2"]]
+    assert [x.split(" | ")[9] for x in lines] == ["0.7200 ± 0.0000 (1)", "0.7500 ± 0.0000 (1)"]

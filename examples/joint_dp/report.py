@@ -89,12 +89,12 @@ def _overridden(row: dict[str, str]) -> bool:
                 or cell.augment)
 
 
-def _settings(row: dict[str, str]) -> tuple[str, float, float, int, float, int]:
-    """(personal rule, personal learning rate, EMA decay, adaptation epochs and rate,
-    augmentation shift) of a row; rows written before those columns existed ran at the
-    HPARAMS personal learning rate, no EMA, no adaptation, no augmentation."""
+def _settings(row: dict[str, str]) -> tuple[str, float, float, float, int, float, int]:
+    """(personal rule, personal learning rate, shared learning rate, EMA decay, adaptation
+    epochs and rate, augmentation shift) of a row; rows written before those columns
+    existed ran at the HPARAMS learning rates, no EMA, no adaptation, no augmentation."""
     cell = cell_of(row)
-    return (cell.personal, cell.personal_learning_rate, cell.ema_decay, cell.finetune_epochs,
+    return (cell.personal, cell.personal_learning_rate, cell.learning_rate, cell.ema_decay, cell.finetune_epochs,
             cell.finetune_lr, cell.augment)
 
 
@@ -106,30 +106,30 @@ def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]
                         runs: Path | None = None) -> str:
     """Joint DP at epsilon = 1 with settings chosen on validation
     (``table1_personal.csv``): a personal-layer rule other than Table 1's FC1, a
-    personal learning rate, a moving average of the evaluated shared model, an
+    personal or shared learning rate, a moving average of the evaluated shared model, an
     adaptation of each owner's evaluated model to its own records, a random translation
     of the owners' own training images. One line per (n, trust, settings), beside Table
     1's FC1 cell of the same n and trust, Table 1's per-silo cell and per-silo with the
     same translation (a per-silo row of ``rows``; Table 1's without translation); the
     latest row of each wins. With ``runs``, the last column is these settings minus
     per-silo with the same translation, paired by seed (``paired_difference``)."""
-    lines = ["| n | trust | personal | shared params | personal lr | EMA decay | adapted after the last round "
+    lines = ["| n | trust | personal | shared params | personal lr | shared lr | EMA decay | adapted after the last round "
              "| translation (pixels) | joint DP, these settings "
              "| joint DP, FC1 personal (Table 1) | per-silo (Table 1) | per-silo, same translation "
              "| these settings − per-silo (same translation), paired by seed |",
-             "|" + "---|" * 13]
+             "|" + "---|" * 14]
     silo = [r for r in rows if r["method"] == "per-silo"]
     rows = [r for r in rows if r["method"] == "joint-dp" and float(r["epsilon"]) == 1.0]
     t1_fc1 = [r for r in t1_rows if float(r["epsilon"]) == 1.0 and _rule(r) == "fc1"]
     for n, trust, settings in sorted({(int(r["owners"]), r["trust"], _settings(r)) for r in rows}):
-        rule, plr, decay, ft, ftlr, shift = settings
+        rule, plr, lr, decay, ft, ftlr, shift = settings
         cells = [_latest([r for r in rows if _settings(r) == settings], owners=str(n), trust=trust),
                  _latest(t1_fc1, owners=str(n), method="joint-dp", trust=trust),
                  _latest(t1_rows, owners=str(n), method="per-silo")]
         same = (_latest([r for r in silo if cell_of(r).augment == shift], owners=str(n)) if shift
                 else cells[2])
         paired = paired_difference(runs, cells[0], same) if runs and cells[0] and same else ""
-        lines.append(f"| {n} | {trust} | {rule} | {shared_parameter_count(rule):,} | {plr:g} | {decay:g} | "
+        lines.append(f"| {n} | {trust} | {rule} | {shared_parameter_count(rule):,} | {plr:g} | {lr:g} | {decay:g} | "
                      f"{_finetune_text(ft, ftlr)} | {shift} | "
                      + " | ".join(_fmt(c) if c else "not run" for c in [*cells, same]) + f" | {paired} |")
     return "\n".join(lines)
