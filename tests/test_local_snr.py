@@ -49,5 +49,6 @@ def test_at_a_fixed_epsilon_the_bound_hardly_moves_with_batch_or_steps_but_grows
     values = [r["snr_owner"] for r in rows]
     assert len({r["noise_multiplier"] for r in rows}) == 3  # three different z ...
     assert max(values) / min(values) < 1.02  # ... the same bound
-    looser = snr.bound(Cell("fashion-mnist", 256, "joint-dp", "local", 5.0), "sweep", epsilon=5.0)
+    looser = snr.bound(Cell("fashion-mnist", 256, "joint-dp", "local", 5.0), "sweep")
+    assert (rows[1]["epsilon"], looser["epsilon"]) == (1.0, 5.0)  # the target z was calibrated to
     assert looser["snr_owner"] > 3 * values[1]

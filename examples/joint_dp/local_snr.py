@@ -53,8 +53,9 @@ def balanced_sizes(owners: int) -> dict[int, OwnerSize]:
     return {o: OwnerSize(base + (o < extra), base + (o < extra)) for o in range(owners)}
 
 
-def bound(cell: Cell, kind: str, extra: dict | None = None, epsilon: float = 1.0) -> dict:
-    """One row: the cell's schedule, calibrated z and the snr bound of its releases."""
+def bound(cell: Cell, kind: str, extra: dict | None = None) -> dict:
+    """One row: the cell's schedule, the z calibrated to its target epsilon (the row's
+    ``epsilon``, from the same run config) and the snr bound of its releases."""
     cfg = parse_config(run_config(cell, 0, "", "unused", extra=extra))  # no run, nothing written
     sizes = balanced_sizes(cell.owners)
     schedule = build_schedule(cfg, sizes)
@@ -75,7 +76,7 @@ def bound(cell: Cell, kind: str, extra: dict | None = None, epsilon: float = 1.0
             "personal_layers": cell.personal if cell.method == "joint-dp" else "none", "shared_params": d,
             "records_per_owner": m, "batch": round(batch, 2), "local_epochs": cfg.local_epochs,
             "rounds": cfg.num_rounds, "sample_rate": round(q, 4), "releases": releases,
-            "noise_multiplier": round(z, 4), "epsilon": epsilon,
+            "noise_multiplier": round(z, 4), "epsilon": cfg.target_epsilon,
             "snr_owner": round(snr_owner, 4) if cell.trust == "local" else "",
             "snr_mean": round(snr_mean, 4)}
 
@@ -97,7 +98,7 @@ def main() -> int:
         rows.append(bound(cell, "sweep", {"batch-size": batch, "local-epochs": epochs}))
         print(rows[-1], flush=True)
     for eps in (2.0, 5.0, 10.0):  # and epsilon
-        rows.append(bound(Cell("fashion-mnist", 256, "joint-dp", "local", eps), "sweep", epsilon=eps))
+        rows.append(bound(Cell("fashion-mnist", 256, "joint-dp", "local", eps), "sweep"))
         print(rows[-1], flush=True)
     print(f"wrote {write_csv(args.out, rows, FIELDS)}")
     return 0
