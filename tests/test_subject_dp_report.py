@@ -65,7 +65,7 @@ def test_the_chosen_rate_sweep_joins_one_method_across_its_rates_and_skips_untes
              {"run": "higradavg-subject-sampling", "alpha": 2.0, "batch": 256, "learning_rate": 0.1,
               "test_seeds": 2, "test_mean": 0.23, "test_std": 0.01}]
     series = report.alpha_series(report.chosen_rows(methods, rates))
-    assert series == {"local-group-dp (rate chosen per alpha)": [(1.0, 0.34, 0.07), (8.0, 0.12, 0.0)],
+    assert series == {"local-group-dp (rate chosen on validation)": [(1.0, 0.34, 0.07), (8.0, 0.12, 0.0)],
                       "higradavg-subject-sampling (batch and rate chosen per alpha)": [(1.0, 0.25, 0.01),
                                                                                        (2.0, 0.23, 0.01)]}
     assert report.plot_alpha(report.chosen_rows(methods, rates), tmp_path / "c.png")
@@ -226,3 +226,27 @@ def test_the_method_rate_choice_file_covers_every_alpha_with_two_validated_rates
     assert [(r["alpha"], r["learning_rate"]) for r in methods] == [(1.0, 3.2), (16.0, 1.6)]
     with (tmp_path / "method_learning_rate_choice.csv").open() as f:
         assert [(row["alpha"], row["learning_rate"]) for row in csv.DictReader(f)] == [("1.0", "3.2"), ("16.0", "1.6")]
+
+
+def test_a_run_tested_but_not_searched_at_an_alpha_carries_alpha_one_s_choice(tmp_path):
+    """LocalGroupDP with G = 1 was searched at alpha 1 (0.2 chosen) and tested at alpha 8
+    without a search there: its alpha-8 row carries 0.2, says so, and summarises only the
+    test runs at 0.2 (not the one at 0.05). An alpha with a search of its own (16) keeps
+    its own choice, and validation runs never count as tests."""
+    report = _report()
+    (tmp_path / "runs").mkdir()
+    run = "local-group-dp-g1"
+    docs = [_sized_doc(run, 0, 1.0, 0.20, 0.2), _sized_doc(run, 0, 1.0, 0.15, 0.1),
+            _sized_doc(run, 0, 1.0, 0.22, 0.2, "test"),
+            _sized_doc(run, 0, 8.0, 0.19, 0.2, "test"), _sized_doc(run, 0, 8.0, 0.18, 0.2, "test", seed=1),
+            _sized_doc(run, 0, 8.0, 0.90, 0.05, "test"), _sized_doc(run, 0, 8.0, 0.95, 0.2),
+            _sized_doc(run, 0, 16.0, 0.10, 0.2), _sized_doc(run, 0, 16.0, 0.12, 0.1),
+            _sized_doc(run, 0, 16.0, 0.11, 0.1, "test")]
+    for k, d in enumerate(docs):
+        (tmp_path / "runs" / f"run{k}.json").write_text(json.dumps(d))
+    _, _, methods = report.write_choices(tmp_path / "runs", tmp_path)
+    got = [(r["alpha"], r["learning_rate"], r["chosen_at_alpha"], r["test_seeds"], r["test_mean"]) for r in methods]
+    assert got == [(1.0, 0.2, 1.0, 1, 0.22), (8.0, 0.2, 1.0, 2, 0.185), (16.0, 0.1, 16.0, 1, 0.11)]
+    assert methods[1]["screen"] == "" and methods[1]["validation_seeds"] == 0
+    series = report.alpha_series(report.chosen_rows(methods, []))
+    assert series == {f"{run} (rate chosen on validation)": [(1.0, 0.22, 0.0), (8.0, 0.185, 0.0071), (16.0, 0.11, 0.0)]}

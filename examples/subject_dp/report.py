@@ -22,7 +22,9 @@ are prefixed ``shakespeare_``):
   LocalItemDP, LocalGroupDP, UserLDP, record-sampled HiGradAvgDP), the learning rate
   chosen by validation accuracy (a seed-0 screen, then the rates re-run on more seeds
   compared by their mean) at each alpha where two or more of its rates were validated
-  (every run at alpha = 1; some at other alphas), and its test accuracy there.
+  (every run at alpha = 1; some at other alphas), and its test accuracy there; where a
+  run was tested at an alpha but not searched there, alpha = 1's rate carried over
+  (``chosen_at_alpha`` 1, no screen).
 
 and prints the markdown table of the test-set rows, mean +- std over seeds.
 """
@@ -169,12 +171,13 @@ def chosen_rows(methods: list[dict], rates: list[dict]) -> list[dict]:
     """Rows for :func:`plot_alpha` at the settings chosen on validation at each alpha:
     ``method_learning_rate_choice.csv`` rows (one rate per run and alpha) and
     ``learning_rate_choice.csv`` rows (subject sampling, batch then rate per alpha), each
-    with its test mean and std; choices never run on test are left out. The label
+    with its test mean and std; choices never run on test are left out. A method rate
+    carried from alpha = 1 (:func:`carried_choices`) counts as chosen. The label
     names the method, not the rate, so one line may join several rates."""
     out = []
     for r in methods:
         if int(r["test_seeds"] or 0):
-            out.append({"label": f"{r['run']} (rate chosen per alpha)", "run": r["run"], "alpha": r["alpha"],
+            out.append({"label": f"{r['run']} (rate chosen on validation)", "run": r["run"], "alpha": r["alpha"],
                         "learning_rate": r["learning_rate"], "acc_mean": r["test_mean"], "acc_std": r["test_std"]})
     for r in rates:
         if int(r["test_seeds"] or 0):
@@ -326,6 +329,30 @@ def method_rate_choice(docs: list[dict], alpha: float = 1.0) -> list[dict]:
     return out
 
 
+def carried_choices(docs: list[dict], methods: list[dict], source: float = 1.0) -> list[dict]:
+    """Rows for the alphas where a run was tested but not searched: the rate chosen at
+    ``source`` (alpha = 1, where every run was searched) carried over, with the test
+    accuracy of that run at that rate there. ``chosen_at_alpha`` says where the rate was
+    chosen; the screen and finalists are blank, because nothing was validated at this
+    alpha. Alphas with a choice of their own (in ``methods``) are left alone."""
+    chosen = {r["run"]: r for r in methods if r["alpha"] == source}
+    own = {(r["run"], r["alpha"]) for r in methods}
+    test: dict[tuple[str, float], list[dict]] = {}
+    for doc in docs:
+        row = doc["row"]
+        run, alpha = row["run"], float(row["alpha"])
+        if row["evaluate_on"] != "test" or run not in chosen or (run, alpha) in own:
+            continue
+        if float(row["learning_rate"]) == chosen[run]["learning_rate"]:
+            test.setdefault((run, alpha), []).append(row)
+    out = []
+    for (run, alpha), rows in sorted(test.items()):
+        out.append({"run": run, "alpha": alpha, "screen": "", "finalists": "", "validation_seeds": 0,
+                    "learning_rate": chosen[run]["learning_rate"], "noise_multiplier": rows[0]["noise_multiplier"],
+                    **_test_summary([float(r["acc_final"]) for r in rows]), "chosen_at_alpha": source})
+    return out
+
+
 def write_choices(folder: Path, out_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
     """``batch_choice.csv``, ``learning_rate_choice.csv`` and
     ``method_learning_rate_choice.csv`` from the FEMNIST run files."""
@@ -334,7 +361,8 @@ def write_choices(folder: Path, out_dir: Path) -> tuple[list[dict], list[dict], 
     batches = batch_choice(docs)
     rates = learning_rate_choice(docs, batches)
     alphas = sorted({float(d["row"]["alpha"]) for d in docs if d["row"]["evaluate_on"] == "validation"})
-    methods = [row for alpha in alphas for row in method_rate_choice(docs, alpha)]
+    methods = [{**row, "chosen_at_alpha": alpha} for alpha in alphas for row in method_rate_choice(docs, alpha)]
+    methods = sorted(methods + carried_choices(docs, methods), key=lambda r: (r["alpha"], r["run"]))
     write_csv(out_dir / "batch_choice.csv", batches)
     write_csv(out_dir / "learning_rate_choice.csv", rates)
     write_csv(out_dir / "method_learning_rate_choice.csv", methods)
@@ -384,9 +412,10 @@ def main() -> None:
     if methods:
         print("\nlearning rate of the other runs chosen on validation per alpha (method_learning_rate_choice.csv)")
         for r in methods:
-            print(f"  {r['run']} alpha={r['alpha']:g}: seed-0 screen {r['screen']}; finalists ({r['validation_seeds']} seeds) "
-                  f"{r['finalists']} -> lr {r['learning_rate']:g}, test {r['test_mean']} +- {r['test_std']} "
-                  f"({r['test_seeds']} seeds)")
+            how = (f"seed-0 screen {r['screen']}; finalists ({r['validation_seeds']} seeds) {r['finalists']}"
+                   if r["chosen_at_alpha"] == r["alpha"] else f"not searched, alpha={r['chosen_at_alpha']:g}'s choice")
+            print(f"  {r['run']} alpha={r['alpha']:g}: {how} -> lr {r['learning_rate']:g}, test {r['test_mean']} +- "
+                  f"{r['test_std']} ({r['test_seeds']} seeds)")
 
 
 if __name__ == "__main__":
