@@ -109,28 +109,36 @@ class JointDP(Strategy):
         shared arrays; compute the sampling schedule and (if asked) calibrate the
         noise multiplier. Fails with a message naming the key on a mismatch."""
         shape, classes = None, None
-        queried: set[int] = set()
+        answered: set[int] = set()
         deadline = time.time() + timeout
         self._wait_for_nodes(grid, deadline)
-        while True:  # nodes may still be joining: query each new node once
-            nodes = [n for n in grid.get_node_ids() if n not in queried]
+        while True:  # nodes may still be joining or busy: ask each until it answers once
+            nodes = [n for n in grid.get_node_ids() if n not in answered]
             if nodes:
-                queried.update(nodes)
                 msgs = [Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=n,
                                 message_type=MessageType.QUERY) for n in nodes]
-                for reply in grid.send_and_receive(msgs, timeout=timeout):
+                left = max(1.0, deadline - time.time())
+                for reply in grid.send_and_receive(msgs, timeout=left):
+                    answered.add(reply.metadata.src_node_id)
                     got = self._register_node(reply)
                     if got is not None:
                         shape, classes = got
             if set(range(self.cfg.num_owners)) <= set(self.owner_node) or time.time() > deadline:
                 break
             time.sleep(1.0)
-        nodes = queried
         missing = sorted(set(range(self.cfg.num_owners)) - set(self.owner_node))
         if missing:
+            shown = f"{missing[:10]}{'...' if len(missing) > 10 else ''}"
+            silent = sorted(set(grid.get_node_ids()) - answered)
+            if silent:
+                raise RuntimeError(
+                    f"{len(silent)} of {len(silent) + len(answered)} connected nodes did not answer the "
+                    f"set-up query within {timeout:g} s (nodes {silent[:10]}), so owners {shown} are "
+                    "unaccounted for: the nodes may still be starting on a busy machine, or have failed"
+                )
             raise ConfigError(
                 f"run-config key 'num-owners'={self.cfg.num_owners} but no node hosts owners "
-                f"{missing[:10]}{'...' if len(missing) > 10 else ''} ({len(nodes)} nodes connected)"
+                f"{shown} ({len(answered)} nodes connected, all answered)"
             )
         model = self.model_fn(shape, classes)
         try:

@@ -192,3 +192,62 @@ def test_frozen_personal_layers_change_no_released_number(unit, monkeypatch):
         assert np.array_equal(a, b)
     for name in split.personal:  # decoupled: personal parameters untouched
         assert torch.equal(fast_state[name], dict(_dp_setup(unit)[0].state_dict())[name])
+
+
+class _SetupGrid:
+    """Two connected nodes hosting owners {0, 1} and {2, 3}; ``silent`` nodes drop the
+    first ``silent[n]`` set-up queries sent to them (busy or still starting)."""
+
+    def __init__(self, silent):
+        from types import SimpleNamespace
+
+        self.silent, self.asked = dict(silent), []
+        self._ns = SimpleNamespace
+
+    def get_node_ids(self):
+        return [1, 2]
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr_jdp import protocol
+
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            self.asked.append(node)
+            if self.silent.get(node, 0) > 0:
+                self.silent[node] -= 1
+                continue
+            owners = [0, 1] if node == 1 else [2, 3]
+            rec = {protocol.OWNER_IDS: owners, protocol.NUM_RECORDS: [10, 10], protocol.NUM_USERS: [10, 10],
+                   protocol.IMAGE_SHAPE: [1, 28, 28], protocol.NUM_CLASSES: 10}
+            replies.append(self._ns(has_error=lambda: False, metadata=self._ns(src_node_id=node),
+                                    content={protocol.SETUP: rec}))
+        return replies
+
+
+def test_setup_asks_a_silent_node_again_and_names_it_if_it_never_answers(run_config, monkeypatch):
+    """A node that misses the set-up query is asked again before the deadline; one that
+    never answers is reported as silent (not as a 'num-owners' mismatch), and a real
+    mismatch, where every node answered, still names the key."""
+    from types import SimpleNamespace
+
+    import flwr_jdp.strategies.joint_dp as module
+    from flwr_jdp.strategies import JointDP
+
+    from flwr_jdp.config import ConfigError
+
+    # outside a Flower run a Message cannot be built; the grid only reads its address
+    monkeypatch.setattr(module, "Message", lambda content, dst_node_id, message_type:
+                        SimpleNamespace(metadata=SimpleNamespace(dst_node_id=dst_node_id)))
+
+    cfg = parse_config({**run_config, "num-owners": 4})
+    grid = _SetupGrid({2: 1})
+    JointDP(cfg, node_settle_s=0).setup(grid, timeout=30.0)
+    assert grid.asked == [1, 2, 2]  # node 2 asked again, node 1 not
+
+    with pytest.raises(RuntimeError, match=r"1 of 2 connected nodes did not answer the set-up query within 1.5 s \(nodes \[2\]\)"):
+        JointDP(cfg, node_settle_s=0).setup(_SetupGrid({2: 10**6}), timeout=1.5)
+
+    with pytest.raises(ConfigError, match=r"'num-owners'=5 but no node hosts owners \[4\]"):
+        JointDP(parse_config({**run_config, "num-owners": 5}), node_settle_s=0).setup(
+            _SetupGrid({}), timeout=1.5)
