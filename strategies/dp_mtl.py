@@ -55,6 +55,7 @@ from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
 
 from .checkpoint import Checkpoint
+from .node_query import query_nodes
 
 CONFIG, MEAN, MODELS, METRICS, SETUP = "config", "mean", "models", "metrics", "setup"
 TASKS, ROUND = "tasks", "round"
@@ -124,30 +125,28 @@ class DPMeanRegularizedMTL(Strategy):
         may still be joining: new nodes are queried until every task is hosted or
         ``timeout`` passes (then the run goes on without the missing tasks)."""
         seen: set[int] = set()
-        queried: set[int] = set()
-        deadline = time.time() + timeout
-        while True:
-            nodes = [n for n in grid.get_node_ids() if n not in queried]
-            queried.update(nodes)
-            msgs = [Message(RecordDict({CONFIG: ConfigRecord({ROUND: 0})}), dst_node_id=n,
-                            message_type=MessageType.QUERY) for n in nodes]
-            for reply in (grid.send_and_receive(msgs, timeout=timeout) if msgs else []):
-                if reply.has_error() or SETUP not in reply.content:
-                    self._drop(reply, "setup reply without a 'setup' record")
-                    continue
-                ids = [int(k) for k in reply.content[SETUP].get(TASKS, [])]
-                bad = [k for k in ids if not 0 <= k < self.num_tasks or k in seen]
-                if bad:
-                    self._drop(reply, f"task ids {bad[:5]} out of range or hosted twice")
-                    continue
-                seen.update(ids)
-                self.node_tasks[reply.metadata.src_node_id] = ids
-            if len(seen) == self.num_tasks or time.time() > deadline:
-                break
-            time.sleep(1.0)
+
+        def handle(reply: Message) -> None:
+            if reply.has_error() or SETUP not in reply.content:
+                self._drop(reply, "setup reply without a 'setup' record")
+                return
+            ids = [int(k) for k in reply.content[SETUP].get(TASKS, [])]
+            bad = [k for k in ids if not 0 <= k < self.num_tasks or k in seen]
+            if bad:
+                self._drop(reply, f"task ids {bad[:5]} out of range or hosted twice")
+                return
+            seen.update(ids)
+            self.node_tasks[reply.metadata.src_node_id] = ids
+
+        _, silent = query_nodes(
+            grid,
+            lambda n: Message(RecordDict({CONFIG: ConfigRecord({ROUND: 0})}), dst_node_id=n,
+                              message_type=MessageType.QUERY),
+            handle, lambda: len(seen) == self.num_tasks, time.time() + timeout)
         missing = self.num_tasks - len(seen)
         if missing:
-            log(WARNING, "%d of %d tasks are hosted by no responding node", missing, self.num_tasks)
+            log(WARNING, "%d of %d tasks are hosted by no responding node%s", missing, self.num_tasks,
+                f" (nodes {silent[:10]} never answered)" if silent else "")
 
     # ------------------------------------------------------------- rounds
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

@@ -49,6 +49,7 @@ from flwr_jdp.training.owner_round import release_kind
 
 from .checkpoint import Checkpoint
 from .iterate_average import SharedParameterEMA
+from .node_query import query_nodes
 from .validation import ArraySpec, spec_of, validate_replies
 
 ModelFn = Callable[[tuple[int, ...], int], nn.Module]
@@ -108,28 +109,23 @@ class JointDP(Strategy):
         """Ask every node which owners it hosts and their sizes; build the initial
         shared arrays; compute the sampling schedule and (if asked) calibrate the
         noise multiplier. Fails with a message naming the key on a mismatch."""
-        shape, classes = None, None
-        answered: set[int] = set()
+        found: list[tuple[tuple[int, ...], int]] = []
         deadline = time.time() + timeout
         self._wait_for_nodes(grid, deadline)
-        while True:  # nodes may still be joining or busy: ask each until it answers once
-            nodes = [n for n in grid.get_node_ids() if n not in answered]
-            if nodes:
-                msgs = [Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=n,
-                                message_type=MessageType.QUERY) for n in nodes]
-                left = max(1.0, deadline - time.time())
-                for reply in grid.send_and_receive(msgs, timeout=left):
-                    answered.add(reply.metadata.src_node_id)
-                    got = self._register_node(reply)
-                    if got is not None:
-                        shape, classes = got
-            if set(range(self.cfg.num_owners)) <= set(self.owner_node) or time.time() > deadline:
-                break
-            time.sleep(1.0)
+
+        def handle(reply: Message) -> None:
+            got = self._register_node(reply)
+            if got is not None:
+                found.append(got)
+
+        answered, silent = query_nodes(
+            grid,
+            lambda n: Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=n,
+                              message_type=MessageType.QUERY),
+            handle, lambda: set(range(self.cfg.num_owners)) <= set(self.owner_node), deadline)
         missing = sorted(set(range(self.cfg.num_owners)) - set(self.owner_node))
         if missing:
             shown = f"{missing[:10]}{'...' if len(missing) > 10 else ''}"
-            silent = sorted(set(grid.get_node_ids()) - answered)
             if silent:
                 raise RuntimeError(
                     f"{len(silent)} of {len(silent) + len(answered)} connected nodes did not answer the "
@@ -140,6 +136,7 @@ class JointDP(Strategy):
                 f"run-config key 'num-owners'={self.cfg.num_owners} but no node hosts owners "
                 f"{shown} ({len(answered)} nodes connected, all answered)"
             )
+        shape, classes = found[-1]
         model = self.model_fn(shape, classes)
         try:
             split = split_parameters(model, self.cfg.effective_personal_rule,

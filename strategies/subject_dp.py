@@ -56,6 +56,7 @@ from flwr_jdp.subject.config import SubjectDPConfig
 from flwr_jdp.subject.plan import SubjectPlan, accounting_counts, make_plan
 
 from .checkpoint import Checkpoint
+from .node_query import query_nodes
 
 CONFIG, SETUP, MODEL, STATS = "config", "setup", "model", "stats"
 SILOS = "silos"
@@ -98,31 +99,30 @@ class SubjectLevelFedAvg:
         """Ask nodes for their silos and per-subject counts until all silos report."""
         s = self.cfg.num_silos
         per_silo: dict[int, dict[int, int]] = {}
-        queried: set[int] = set()
-        deadline = time.time() + timeout
-        while len(per_silo) < s and time.time() < deadline:
-            nodes = [n for n in grid.get_node_ids() if n not in queried]
-            queried.update(nodes)
-            msgs = [Message(RecordDict({CONFIG: ConfigRecord({"round": 0})}), dst_node_id=n,
-                            message_type=MessageType.QUERY) for n in nodes]
-            for reply in (grid.send_and_receive(msgs, timeout=timeout) if msgs else []):
-                if reply.has_error() or SETUP not in reply.content:
-                    self._drop(reply, "setup reply without a 'setup' record")
-                    continue
-                silos = [int(i) for i in reply.content[SETUP].get(SILOS, [])]
-                bad = [i for i in silos if not 0 <= i < s or i in per_silo]
-                if bad or any(silo_key(i) not in reply.content.array_records for i in silos):
-                    self._drop(reply, f"silos {silos[:5]} out of range, hosted twice or without counts")
-                    continue
-                for i in silos:
-                    rec = reply.content.array_records[silo_key(i)]
-                    subj, cnt = rec["subjects"].numpy(), rec["counts"].numpy()
-                    per_silo[i] = {int(a): int(c) for a, c in zip(subj, cnt, strict=True) if c > 0}
-                self.node_silos[reply.metadata.src_node_id] = silos
-            if len(per_silo) < s:
-                time.sleep(0.5)
+
+        def handle(reply: Message) -> None:
+            if reply.has_error() or SETUP not in reply.content:
+                self._drop(reply, "setup reply without a 'setup' record")
+                return
+            silos = [int(i) for i in reply.content[SETUP].get(SILOS, [])]
+            bad = [i for i in silos if not 0 <= i < s or i in per_silo]
+            if bad or any(silo_key(i) not in reply.content.array_records for i in silos):
+                self._drop(reply, f"silos {silos[:5]} out of range, hosted twice or without counts")
+                return
+            for i in silos:
+                rec = reply.content.array_records[silo_key(i)]
+                subj, cnt = rec["subjects"].numpy(), rec["counts"].numpy()
+                per_silo[i] = {int(a): int(c) for a, c in zip(subj, cnt, strict=True) if c > 0}
+            self.node_silos[reply.metadata.src_node_id] = silos
+
+        _, silent = query_nodes(
+            grid,
+            lambda n: Message(RecordDict({CONFIG: ConfigRecord({"round": 0})}), dst_node_id=n,
+                              message_type=MessageType.QUERY),
+            handle, lambda: len(per_silo) >= s, time.time() + timeout, pause=0.5)
         if len(per_silo) < s:
-            raise RuntimeError(f"only {len(per_silo)} of {s} silos reported within {timeout:.0f} s")
+            raise RuntimeError(f"only {len(per_silo)} of {s} silos reported within {timeout:.0f} s"
+                               + (f"; nodes {silent[:10]} never answered" if silent else ""))
         num_subjects = 1 + max(a for d in per_silo.values() for a in d)
         counts = np.zeros((num_subjects, s), dtype=np.int64)
         for i, d in per_silo.items():
