@@ -438,3 +438,13 @@ def test_a_chosen_shared_rate_keeps_rule_table_lines_apart_and_is_shown():
     lines = report.personal_rule_table(rows, t1).splitlines()[2:]
     assert [x.split(" | ")[4:6] for x in lines] == [["0.025", "1"], ["0.025", "2"]]
     assert [x.split(" | ")[9] for x in lines] == ["0.7200 ± 0.0000 (1)", "0.7500 ± 0.0000 (1)"]
+
+
+def test_tuning_table_counts_every_parameter_as_shared_for_full_dp():
+    """tune.py rows carry the cell's default ``personal_layers`` (fc1) for every method;
+    only joint DP keeps those layers out of the noise."""
+    report = _report()
+    base = {"dataset": "fashion-mnist", "owners": "64", "trust": "central", "epsilon": "1", "personal_layers": "fc1",
+            "learning_rate": "1", "val_acc": "0.5"}
+    lines = report.tuning_table([{**base, "method": "joint-dp"}, {**base, "method": "full-dp"}]).splitlines()[2:]
+    assert [line.split(" | ")[-2] for line in lines] == ["29,034", "44,724"]

@@ -453,6 +453,23 @@ _TUNING_DEFAULTS = {"ema_decay": "0", "records_per_user": "1", "user_batch_size"
                     "finetune_learning_rate": "-", "seed": "0", "augment_shift": "0", "validation_source": "carve"}
 
 
+def tuning_table(rows: list[dict[str, str]]) -> str:
+    """One line per ``tuning.csv`` row, with the parameters its DP noise covers: the
+    rule's shared parameters for joint DP, every parameter for the other methods (whose
+    rows still carry the cell's default ``personal_layers``)."""
+    keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
+            "validation_fraction", "validation_source",
+            "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
+            "user_batch_size", "finetune_epochs", "finetune_learning_rate", "augment_shift", "noise_multiplier",
+            "final_epsilon", "seed")
+    lines = ["| " + " | ".join(keys) + " | shared params | validation accuracy |", "|" + "---|" * (len(keys) + 2)]
+    for r in rows:
+        shared = shared_parameter_count(r["personal_layers"] if r["method"] == "joint-dp" else "none")
+        lines.append("| " + " | ".join(r.get(k) or _TUNING_DEFAULTS.get(k, "") for k in keys)
+                     + f" | {shared:,} | {float(r['val_acc']):.4f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=str(ROOT / "results" / "joint_dp"))
@@ -497,16 +514,8 @@ def main() -> int:
                   generic(inter, ("dataset", "owners", "method", "trust", "epsilon"))]
     tuning = read_rows(res / "tuning.csv")
     if tuning:
-        keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
-                "validation_fraction", "validation_source",
-                "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
-                "user_batch_size", "finetune_epochs", "finetune_learning_rate", "augment_shift", "noise_multiplier", "final_epsilon", "seed")
-        lines = ["| " + " | ".join(keys) + " | shared params | validation accuracy |", "|" + "---|" * (len(keys) + 2)]
-        lines += ["| " + " | ".join(r.get(k) or _TUNING_DEFAULTS.get(k, "") for k in keys)
-                  + f" | {shared_parameter_count(r['personal_layers']):,} | {float(r['val_acc']):.4f} |"
-                  for r in tuning]
         parts += ["### Learning-rate, clipping-norm and personal-layer tuning on validation splits (`tune.py`; test split not read)",
-                  "\n".join(lines)]
+                  tuning_table(tuning)]
     text = "\n\n".join(parts) + "\n"
     (res / "tables.md").write_text(text)
     print(text)
