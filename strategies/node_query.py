@@ -3,9 +3,11 @@
 A strategy learns which owners, tasks or silos each node hosts by sending it a QUERY
 message before the first round. Nodes may still be joining, or be too busy to answer
 at once (a simulation starting on a loaded machine), so every connected node is asked
-until it answers once, up to a deadline. No privacy cost: the reply carries only what a
-node hosts and how many records, which the strategies treat as public (see each
-strategy's docstring).
+until it answers once, up to a deadline. This module only carries the replies: what a
+reply discloses (which owners, tasks or silos a node hosts, record counts) and whether
+the guarantee covers it is set and stated by each strategy (for example, subject-level
+DP's per-subject counts are metadata outside its guarantee; see its module docstring).
+Asking a silent node again sends the same query again and discloses nothing new.
 """
 
 from __future__ import annotations
