@@ -122,8 +122,9 @@ class DPMeanRegularizedMTL(Strategy):
     # ------------------------------------------------------------- setup
     def discover(self, grid: Grid, timeout: float) -> None:
         """Ask every node which tasks it hosts; keep each task at one node. Nodes
-        may still be joining: new nodes are queried until every task is hosted or
-        ``timeout`` passes (then the run goes on without the missing tasks)."""
+        may still be joining or busy: new and silent nodes are queried until every
+        task is hosted or ``timeout`` passes (then the run goes on without the missing
+        tasks, and the warning names the nodes that never answered)."""
         seen: set[int] = set()
 
         def handle(reply: Message) -> None:
