@@ -44,10 +44,10 @@ and at n = 256, m/r = 10 (user level, local noise) joint DP's shared learning ra
 and at n = 512 under central noise the shared learning rate of both DP methods (0.5 to 4;
 2 chosen on a validation split from the unused training records, ``--validation-source
 pool``, which unlike the carved split leaves every owner's training records as they are),
-and the same at n = 256 (2 for joint DP, 1 kept for full DP), 128 (2 for both) and 64 (1 kept for joint
-DP, 2 for full DP), and under central noise joint DP's personal learning rate at n = 512 (0.0015625 to 0.2;
+and the same at n = 256 (2 for joint DP, 1 kept for full DP), 128 (2 for both), 64 and 16 (1 kept for joint
+DP, 2 for full DP) and 4 (1 kept for both), and under central noise joint DP's personal learning rate at n = 512 (0.0015625 to 0.2;
 0.00625 chosen), 256 (0.003125 to 0.1; 0.003125), 128 (0.003125 to 0.05; 0.00625)
-and 64 (0.003125 to 0.1; 0.05 kept), and on that split at n = 256
+and 64 (0.003125 to 0.1; 0.05 kept), 16 and 4 (0.0125 to 0.2; 0.025), and on that split at n = 256
 under local noise the rule ``conv1+conv2+fc1+norms`` (no gain over ``conv1+conv2+fc1``),
 in ``results/joint_dp/tuning.csv``. A cell's ``lr`` (shared learning rate), ``personal_lr``,
 ``ema_decay`` and ``user_batch`` (users per DP batch at the user level, run-config
