@@ -3,7 +3,12 @@
 A strategy learns which owners, tasks or silos each node hosts by sending it a QUERY
 message before the first round. Nodes may still be joining, or be too busy to answer
 at once (a simulation starting on a loaded machine), so every connected node is asked
-until it answers once, up to a deadline. This module only carries the replies: what a
+until it answers once, up to a deadline. Flower's ``Grid.send_and_receive`` returns when
+every reply is in or at its timeout, so there a silent node holds a pass until the
+deadline: the passes after the first reach nodes that connected while it ran (and, on a
+grid that returns early, nodes whose reply never came). In every case the nodes that
+never answered are returned, so a caller can name them instead of blaming its
+configuration. This module only carries the replies: what a
 reply discloses (which owners, tasks or silos a node hosts, record counts) and whether
 the guarantee covers it is set and stated by each strategy (for example, subject-level
 DP's per-subject counts are metadata outside its guarantee; see its module docstring).
