@@ -28,9 +28,10 @@ interleaved`` reproduces it only for comparison.
 
 Hyperparameters (learning rates, clipping norm, batch size, GroupNorm) come from
 :data:`HPARAMS`. They were fixed a priori and never tuned on the test split.
-``examples/joint_dp/tune.py`` checks them on a validation split carved from the
-training records (``--validation-fraction``); so far only joint DP under local
-noise at n = 256 has been checked: the learning rate (0.025, 0.05, 0.1; 0.05 kept)
+``examples/joint_dp/tune.py`` checks them on a validation split (carved from the
+owners' training records, ``--validation-fraction``, or drawn from the unused
+training records, ``--validation-source pool``). Checked so far: joint DP under local
+noise at n = 256: the learning rate (0.025, 0.05, 0.1; 0.05 kept)
 and, at 0.05, the clipping norm (0.5, 1, 2; flat, 1 kept) and the personal-layer rule
 (``fc1``, ``conv2+fc1``, ``conv1+conv2+fc1``: the fewer parameters shared, the higher the
 validation accuracy; Table 1 keeps the paper's ``fc1``), the personal learning rate (0.2:
@@ -105,8 +106,8 @@ PERSONAL_RULES = {
 }
 
 #: Hyperparameters per (method, trust). Chosen a priori (not tuned on any test
-#: split; the joint-DP local learning rate and clipping norm were confirmed on a
-#: validation split at n = 256, the others are unchecked):
+#: split; which of them were later checked on a validation split, and the cells
+#: that override them with a validated choice, are listed in the module docstring):
 #: plain SGD at lr 0.05 for the non-private methods and every personal head; under
 #: local noise a small shared lr (0.05) with batch 32 (q = 32/m), because each
 #: owner's noise (z ~ 29 at epsilon = 1) dominates its own steps; under central
