@@ -43,8 +43,7 @@ joint DP under local noise, 64 for full DP under central noise, against 3.2 by d
 under local noise 32 was checked at m/r = 20 and, on the pool split, at m/r = 5 and 10, and
 kept each time; at m/r = 2 on the pool split validation chose 128, whose test cell is the
 m/r = 2, epsilon = 1 cell, after 64, chosen before 128 had a second seed, lost on test;
-the other m/r = 2 cells under local noise, all but full DP at epsilon = 8, were then rerun
-at 128, not tuned again),
+every other m/r = 2 cell under local noise was then rerun at 128, not tuned again),
 and at n = 256, m/r = 10 (user level, local noise) joint DP's shared learning rate
 (0.0015625 to 0.05; 0.003125 chosen: the owners' updates are mostly noise there),
 and at n = 512 under central noise the shared learning rate of both DP methods (0.5 to 4;
