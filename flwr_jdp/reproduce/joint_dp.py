@@ -41,9 +41,8 @@ of single runs), and adapting each owner's final model to its own records
 FC1 personal); and at n = 4, m/r = 10 (user level) the users per DP batch (32 for
 joint DP under local noise, 64 for full DP under central noise, against 3.2 by default;
 under local noise 32 was checked at m/r = 20 and, on the pool split, at m/r = 10, and
-kept each time; at m/r = 5 it was kept against 64, then 128 was chosen by a tie, and the
-epsilon = 1 cells of both methods and joint DP's epsilon = 3 and 8 cells were run at 128
-(full DP's epsilon = 3 and 8 cells at m/r = 5 keep 32);
+kept each time; at m/r = 5 it was kept against 64, then 128 was chosen by a tie, and
+every m/r = 5 cell of both methods was rerun at 128, not tuned again;
 at m/r = 2 on the pool split validation chose 128, whose test cell is the
 m/r = 2, epsilon = 1 cell, after 64, chosen before 128 had a second seed, lost on test;
 every other m/r = 2 cell under local noise was then rerun at 128, not tuned again),
