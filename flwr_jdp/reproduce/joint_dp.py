@@ -43,7 +43,7 @@ joint DP under local noise, 64 for full DP under central noise, against 3.2 by d
 under local noise 32 was checked at m/r = 20 (kept) and, on the pool split, at m/r = 10
 (kept against 64; then 128 was chosen there, and the m/r = 10, epsilon = 1 cells of both
 methods were rerun at 128, not tuned again, then joint DP at epsilon = 3 and 8
-and full DP at epsilon = 3; full DP at epsilon = 8 keeps 32); at m/r = 5 it was kept against 64, then 128 was chosen by a tie, and
+and full DP at epsilon = 3 and 8); at m/r = 5 it was kept against 64, then 128 was chosen by a tie, and
 every m/r = 5 cell of both methods was rerun at 128, not tuned again;
 at m/r = 2 on the pool split validation chose 128, whose test cell is the
 m/r = 2, epsilon = 1 cell, after 64, chosen before 128 had a second seed, lost on test;
