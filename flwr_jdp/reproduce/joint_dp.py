@@ -49,7 +49,8 @@ at m/r = 2 on the pool split validation chose 128, whose test cell is the
 m/r = 2, epsilon = 1 cell, after 64, chosen before 128 had a second seed, lost on test;
 every other m/r = 2 cell under local noise was then rerun at 128, not tuned again;
 full DP's own batch under local noise was checked at m/r = 2 only: at epsilon = 1
-128 against 32, 128 kept; at epsilon = 8 32 chosen on two seeds, its test cell the 32-users one),
+128 against 32, 128 kept; at epsilon = 3 128 chosen on two seeds, its test cell the 128-users one;
+at epsilon = 8 32 chosen on two seeds, its test cell the 32-users one),
 and at n = 256, m/r = 10 (user level, local noise) joint DP's shared learning rate
 (0.0015625 to 0.05; 0.003125 chosen: the owners' updates are mostly noise there),
 and at n = 512 under central noise the shared learning rate of both DP methods (0.5 to 4;
