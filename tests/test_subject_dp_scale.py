@@ -49,3 +49,22 @@ def test_more_writers_need_less_noise_and_the_row_is_consistent():
     assert large["record_rate_max"] < small["record_rate_max"]
     assert large["noise_multiplier"] < small["noise_multiplier"]
     assert large["signal_to_noise"] > small["signal_to_noise"]
+
+
+def test_row_gives_local_item_dp_its_own_record_level_noise():
+    """LocalItemDP's column is its record-level plan on the same counts, and falls as the
+    silos grow (its record rate falls), like the subject-level noise."""
+    from dataclasses import replace
+
+    from flwr_jdp.subject.plan import make_plan
+
+    scale = _scale()
+    cfg = SubjectDPConfig(method="higradavg-dp", accounting="exact", target_epsilon=4.0,
+                          delta=1e-5, budget_rounds=2, batch_size=8, local_steps=1)
+    counts = np.random.default_rng(1).integers(0, 4, size=(20, 3))
+    large_counts = scale.resample_writers(counts, 200, seed=0)
+    small, large = (scale.scale_row(cfg, c, parameters=100) for c in (counts, large_counts))
+    plan = make_plan(replace(cfg, method="local-item-dp"), counts)
+    assert small["local_item_dp_noise_multiplier"] == round(plan.noise_multiplier, 4)
+    assert small["local_item_dp_epsilon"] <= 4.0 + 1e-3
+    assert large["local_item_dp_noise_multiplier"] < small["local_item_dp_noise_multiplier"]

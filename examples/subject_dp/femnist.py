@@ -124,7 +124,8 @@ def write_row(path: Path, row: dict) -> None:
 DEFAULTS = {"femnist": ("femnist", 0.2), "shakespeare": ("tinyshakespeare", 2.0)}
 
 
-def main(dataset: str = "femnist", doc: str | None = None) -> None:
+def make_parser(dataset: str = "femnist", doc: str | None = None) -> argparse.ArgumentParser:
+    """The command line of a run script (this one, ``shakespeare.py``, ``noise_matched.py``)."""
     folder, lr = DEFAULTS[dataset]
     ap = argparse.ArgumentParser(description=(doc or __doc__).splitlines()[0])
     ap.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / folder))
@@ -144,7 +145,11 @@ def main(dataset: str = "femnist", doc: str | None = None) -> None:
                     help="seed k: model seed k, noise seed --noise-seed + k")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--results", default=str(ROOT / "results" / "subject_dp"))
-    args = ap.parse_args()
+    return ap
+
+
+def main(dataset: str = "femnist", doc: str | None = None) -> None:
+    args = make_parser(dataset, doc).parse_args()
     args.dataset = dataset
     torch.set_num_threads(1)
     out = Path(args.results)

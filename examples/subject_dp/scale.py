@@ -20,7 +20,11 @@ for one batch of one silo (C = 1, expected batch size B = 256):
 - ``signal_bound``: the largest possible norm of the averaged clipped gradient,
   ``subjects_per_batch * C / B`` (each writer contributes at most ``C``);
 - ``signal_to_noise``: their ratio, an upper bound on the per-step signal-to-noise
-  ratio. Training accuracy is not computed here.
+  ratio. Training accuracy is not computed here;
+- ``local_item_dp_noise_multiplier`` / ``local_item_dp_epsilon``: LocalItemDP's record-level
+  ``z`` for the same budget on the same counts (its record rate falls as the silos grow).
+
+``noise_matched.py`` trains on the real 300 writers at these noise multipliers.
 
     python examples/subject_dp/scale.py --data-dir ../shared/data/femnist \
         --writers 300 1000 3500
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +51,8 @@ from flwr_jdp.subject.task import build_subject_model
 
 FIELDS = ["writers", "records_per_silo_mean", "record_rate_max", "inclusion_rate_mean",
           "noise_multiplier", "epsilon", "epsilon_sfold", "subjects_per_batch", "noise_norm",
-          "signal_bound", "signal_to_noise", "parameters", "seconds"]
+          "signal_bound", "signal_to_noise", "parameters", "local_item_dp_noise_multiplier",
+          "local_item_dp_epsilon", "seconds"]
 
 
 def resample_writers(counts: np.ndarray, writers: int, seed: int = 0) -> np.ndarray:
@@ -67,6 +73,7 @@ def scale_row(cfg: SubjectDPConfig, counts: np.ndarray, parameters: int) -> dict
     per_batch = float(inclusion.sum(axis=0).mean())
     noise = plan.noise_multiplier * cfg.clipping_norm * math.sqrt(parameters) / cfg.batch_size
     signal = per_batch * cfg.clipping_norm / cfg.batch_size
+    item = make_plan(replace(cfg, method="local-item-dp"), counts)
     return {"writers": counts.shape[0], "records_per_silo_mean": round(float(counts.sum(0).mean()), 1),
             "record_rate_max": round(float(rates.max()), 5),
             "inclusion_rate_mean": round(float(inclusion[counts > 0].mean()), 4),
@@ -74,6 +81,8 @@ def scale_row(cfg: SubjectDPConfig, counts: np.ndarray, parameters: int) -> dict
             "epsilon_sfold": round(plan.epsilon_sfold, 4), "subjects_per_batch": round(per_batch, 1),
             "noise_norm": round(noise, 4), "signal_bound": round(signal, 4),
             "signal_to_noise": round(signal / noise, 5), "parameters": parameters,
+            "local_item_dp_noise_multiplier": round(item.noise_multiplier, 4),
+            "local_item_dp_epsilon": round(item.epsilon, 4),
             "seconds": round(time.time() - t, 1)}
 
 
