@@ -1,6 +1,6 @@
 """The noise-matched runs take their noise multiplier from scale.csv (the column of
-their method), keep one row per (writers, run, rate, split, seed), and report each
-method at the rate its own validation rows choose."""
+their method), keep one row per (writers, match, run, rate, split, seed), and report
+each method at the rate its own validation rows choose."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_write_row_replaces_only_the_same_key(tmp_path, nm):
     assert [(r["learning_rate"], r["acc_final"]) for r in rows] == [("1.6", "0.45"), ("0.8", "0.41")]
 
 
-def test_summary_picks_the_rate_by_validation_seeds_all_rates_ran(tmp_path, nm):
+def test_summary_compares_the_finalists_over_the_seeds_they_all_ran(tmp_path, nm):
     _write(tmp_path / "method_learning_rate_choice.csv", [
         {"run": "higradavg-exact", "alpha": 1.0, "learning_rate": 0.2},
         {"run": "local-item-dp", "alpha": 1.0, "learning_rate": 3.2}])
