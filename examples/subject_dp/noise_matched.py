@@ -9,8 +9,10 @@ real 300 writers with that noise multiplier in place of the calibrated one, so t
 each step's noise is what an ``N``-writer federation would add, on the same images:
 
 - ``higradavg-exact`` (record sampling, per-writer averages) at ``scale.csv``'s
-  ``noise_multiplier`` for ``N``;
-- ``local-item-dp`` at its ``local_item_dp_noise_multiplier`` for ``N``.
+  ``noise_multiplier`` for ``N`` (``--match noise``, the default), or at that multiplier
+  scaled so each step's signal-to-noise bound is the ``N``-writer one (``--match snr``,
+  see :func:`matched_noise`);
+- ``local-item-dp`` at its ``local_item_dp_noise_multiplier`` for ``N`` (both matchings).
 
 Everything else is the ``femnist.py`` run of the same name. The ``epsilon`` column is
 the exact epsilon *of this run on the 300 writers* (the plan's, as in ``femnist.py``):
@@ -25,9 +27,11 @@ on the validation rows (of the rates run on the most seeds, the highest mean) an
 accuracy there, beside the 300-writer test rows of ``femnist.csv`` at their chosen rate,
 and draws ``results/subject_dp/noise_matched.png``.
 
-Rows go to ``results/subject_dp/noise_matched.csv`` (a row with the same writers, run,
-learning rate, split and seed is replaced) and each run to
-``results/subject_dp/runs/noise_matched/<run>_w<N>[_val]_lr<lr>_seed<k>.json``.
+Rows go to ``results/subject_dp/noise_matched.csv`` (a row with the same writers, match,
+run, learning rate, split and seed is replaced) and each run to
+``results/subject_dp/runs/noise_matched/<run>_w<N>[_snr][_val]_lr<lr>_seed<k>.json``.
+The runs always use all the real writers (``--max-subjects`` is refused: the matching
+is computed for them).
 Several processes may write the csv at once (it is locked while it is rewritten).
 """
 
@@ -40,8 +44,9 @@ import statistics
 from pathlib import Path
 
 import torch
-from accounting import write_csv
 from femnist import make_parser, run_one
+
+from flwr_jdp.reproduce.results_csv import write_csv
 
 #: run -> the scale.csv column that holds its noise multiplier for N writers
 NOISE_COLUMN = {"higradavg-exact": "noise_multiplier", "local-item-dp": "local_item_dp_noise_multiplier"}
@@ -206,6 +211,9 @@ def main() -> None:
     unknown = [r for r in args.runs if r not in NOISE_COLUMN]
     if unknown:
         ap.error(f"--runs must be among {list(NOISE_COLUMN)}, got {unknown}")
+    if args.max_subjects:
+        ap.error(f"--max-subjects must be 0 (all {REAL_WRITERS} writers: the matching is computed for them), "
+                 f"got {args.max_subjects}")
     torch.set_num_threads(1)
     out = Path(args.results)
     for writers, seed, name in ((w, k, n) for w in args.writers for k in args.seeds for n in args.runs):
