@@ -23,7 +23,9 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 
 from flwr_jdp import protocol
+from flwr_jdp.privacy.units import PrivacyUnit
 from flwr_jdp.training import OwnerPlan, adapted_model, evaluate, fit_personal, train_owner_round
+from flwr_jdp.training.dp_sgd import preload_opacus
 
 from .owner_state import (
     load_owner_model,
@@ -69,6 +71,8 @@ def setup(msg: Message, context: Context) -> Message:
             protocol.NUM_CLASSES: num_classes(cfg),
         }
     )
+    if cfg.dp and cfg.unit is not PrivacyUnit.OWNER:  # its releases need per-sample gradients
+        preload_opacus()  # after the data are loaded: the two would compete for the CPU
     return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
 
 

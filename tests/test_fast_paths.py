@@ -194,6 +194,44 @@ def test_frozen_personal_layers_change_no_released_number(unit, monkeypatch):
         assert torch.equal(fast_state[name], dict(_dp_setup(unit)[0].state_dict())[name])
 
 
+@pytest.mark.parametrize("placement,unit", [("local", "record"), ("local", "user"), ("central", "record")])
+def test_release_on_swapped_public_personal_equals_release_on_a_copy(run_config, placement, unit):
+    """The decoupled release is computed on the owner's model with the public personal
+    values swapped in, instead of on a copy (:func:`release_model`): the released
+    arrays must be the copy's bit for bit, and the owner's model (values, flags,
+    training mode) must come out as it went in."""
+    from flwr_jdp.apps.owner_state import public_personal
+
+    from flwr_jdp.privacy.mechanisms import torch_generator
+    from flwr_jdp.training import OwnerPlan, release_model, train_owner_round
+    from flwr_jdp.training.owner_round import _decoupled_release
+
+    run_config.update({"method": "joint-dp", "noise-placement": placement, "privacy-unit": unit,
+                       "records-per-user": 3})
+    cfg = parse_config(run_config)
+    data = owner_data(cfg)[1]
+    model, split = new_model(cfg, data)
+    with torch.no_grad():  # personal state unlike the public values
+        for n, p in model.named_parameters():
+            if n in split.personal:
+                p.add_(1.0)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    public = public_personal(cfg, data)
+    plan = OwnerPlan(sample_rate=0.5, steps=3, noise_multiplier=1.0)
+    fast, _ = train_owner_round(model, split, data, cfg, plan, torch_generator(5), public)
+    ref, _ = _decoupled_release(release_model(copy.deepcopy(model), split, public), split, data,
+                                cfg, plan, torch_generator(5))
+    assert list(fast) == list(ref) == list(split.shared)
+    for n in split.shared:
+        assert np.array_equal(fast[n], ref[n]), n
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert not any(m.training for m in model.modules())
+
+
 class _SetupGrid:
     """Two connected nodes hosting owners {0, 1} and {2, 3}; ``silent`` nodes drop the
     first ``silent[n]`` set-up queries sent to them (busy or still starting)."""
@@ -251,3 +289,29 @@ def test_setup_asks_a_silent_node_again_and_names_it_if_it_never_answers(run_con
     with pytest.raises(ConfigError, match=r"'num-owners'=5 but no node hosts owners \[4\]"):
         JointDP(parse_config({**run_config, "num-owners": 5}), node_settle_s=0).setup(
             _SetupGrid({}), timeout=1.5)
+
+
+def test_preload_opacus_imports_it_once_in_a_background_thread():
+    """The set-up query's preload: one non-daemon thread per process, after which
+    the first use finds the module (checked in a fresh process, where Opacus is not
+    imported yet)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from flwr_jdp.training import dp_sgd\n"
+        "assert 'opacus' not in sys.modules\n"
+        "dp_sgd.preload_opacus()\n"
+        "thread = dp_sgd._preload\n"
+        "assert thread is not None and not thread.daemon\n"
+        "dp_sgd.preload_opacus()\n"
+        "assert dp_sgd._preload is thread\n"
+        "from opacus import GradSampleModule\n"
+        "thread.join()\n"
+        "assert GradSampleModule.__module__.startswith('opacus.')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "ok"

@@ -19,6 +19,9 @@ whose event the ledger records.
 
 from __future__ import annotations
 
+import importlib
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +38,24 @@ from .plain import to_tensors
 
 if TYPE_CHECKING:  # Opacus is imported on first use: a ClientApp process that only
     from opacus import GradSampleModule  # evaluates (a fresh process per message) skips ~2.5 s
+
+_preload: threading.Thread | None = None
+
+
+def preload_opacus() -> None:
+    """Start importing Opacus in a background thread, once per process.
+
+    Called where a process will soon need per-sample gradients (the set-up query of
+    a run that uses them): the ~2 s import then overlaps with the wait for the first
+    training message instead of delaying it. The first use blocks until the import
+    is done (Python's per-module import lock), so it sees the same module either
+    way. The thread is not a daemon, so a process that exits first waits for it
+    rather than stopping an import half-way; nothing it does is released."""
+    global _preload
+    if _preload is None and "opacus" not in sys.modules:
+        _preload = threading.Thread(target=importlib.import_module, args=("opacus",),
+                                    name="opacus-preload")
+        _preload.start()
 
 
 def _grad_sample_module(model: nn.Module) -> GradSampleModule:

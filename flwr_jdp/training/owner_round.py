@@ -44,6 +44,8 @@ Personal coupling (record and user units; ``personal-coupling``)
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,6 +173,43 @@ def release_model(model: nn.Module, split: ParamSplit,
     return out
 
 
+@contextmanager
+def public_personal_swapped(model: nn.Module, split: ParamSplit,
+                            public_personal: dict[str, np.ndarray]) -> Iterator[nn.Module]:
+    """``model`` itself as :func:`release_model` would copy it, for the block: its
+    personal parameters hold the public values ``public_personal`` and are frozen.
+
+    On exit every parameter and buffer of ``model`` holds its value from before
+    the block again, with its ``requires_grad`` flag and each submodule's training
+    mode, so the owner's model is left as it came. Same release as on the copy
+    (tests/test_fast_paths.py checks it bit for bit), without copying the model
+    for every owner and round."""
+    missing = set(split.personal) - set(public_personal)
+    if missing:
+        raise ValueError(f"public values missing for personal parameters {sorted(missing)}")
+    params = dict(model.named_parameters())
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    flags = {n: p.requires_grad for n, p in params.items()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    modes = [(m, m.training) for m in model.modules()]
+    set_arrays(model, {n: public_personal[n] for n in split.personal})
+    for n in split.personal:
+        params[n].requires_grad_(False)
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n])
+                p.requires_grad_(flags[n])
+                p.grad = None
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+        for m, mode in modes:
+            m.training = mode
+
+
 def train_owner_round(
     model: nn.Module,
     split: ParamSplit,
@@ -184,15 +223,16 @@ def train_owner_round(
 
     The loss is for the owner's own log only and must not be sent. Under the
     decoupled coupling (``cfg.decoupled``) ``public_personal`` (the seeded initial
-    personal values) is required, the release is computed on
-    :func:`release_model`, and ``model`` (with the owner's personal state) is left
-    as it came: fit its personal parameters with :func:`fit_personal`.
+    personal values) is required, the release is computed on ``model`` with those
+    values swapped in (:func:`public_personal_swapped`, the model
+    :func:`release_model` copies), and ``model`` (with the owner's personal state) is
+    left as it came: fit its personal parameters with :func:`fit_personal`.
     """
     if cfg.decoupled:
         if public_personal is None:
             raise ValueError("the decoupled coupling needs the public initial personal values")
-        return _decoupled_release(release_model(model, split, public_personal), split, data,
-                                  cfg, plan, generator)
+        with public_personal_swapped(model, split, public_personal) as release:
+            return _decoupled_release(release, split, data, cfg, plan, generator)
     params = dict(model.named_parameters())
     shared = [params[n] for n in split.shared]
     personal = [params[n] for n in split.personal]
