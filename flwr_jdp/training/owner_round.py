@@ -181,9 +181,9 @@ def public_personal_swapped(model: nn.Module, split: ParamSplit,
 
     On exit every parameter and buffer of ``model`` holds its value from before
     the block again, with its ``requires_grad`` flag and each submodule's training
-    mode, so the owner's model is left as it came (its gradients are cleared). Same release as on the copy
-    (tests/test_fast_paths.py checks it bit for bit), without copying the model
-    for every owner and round."""
+    mode, so the owner's model is left as it came (its gradients are cleared).
+    Same release as on the copy (tests/test_fast_paths.py checks it bit for bit),
+    without copying the model for every owner and round."""
     missing = set(split.personal) - set(public_personal)
     if missing:
         raise ValueError(f"public values missing for personal parameters {sorted(missing)}")
