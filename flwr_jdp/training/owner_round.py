@@ -162,15 +162,21 @@ def release_model(model: nn.Module, split: ParamSplit,
     """A copy of ``model`` whose personal parameters hold the public values
     ``public_personal`` and are frozen: the model a decoupled release is computed
     on (its shared gradients do not depend on the owner's personal state)."""
+    out = copy.deepcopy(model)
+    _set_public_frozen(out, split, public_personal)
+    return out
+
+
+def _set_public_frozen(model: nn.Module, split: ParamSplit,
+                       public_personal: dict[str, np.ndarray]) -> None:
+    """Set ``model``'s personal parameters to ``public_personal`` and freeze them."""
     missing = set(split.personal) - set(public_personal)
     if missing:
         raise ValueError(f"public values missing for personal parameters {sorted(missing)}")
-    out = copy.deepcopy(model)
-    set_arrays(out, {n: public_personal[n] for n in split.personal})
-    params = dict(out.named_parameters())
+    set_arrays(model, {n: public_personal[n] for n in split.personal})
+    params = dict(model.named_parameters())
     for n in split.personal:
         params[n].requires_grad_(False)
-    return out
 
 
 @contextmanager
@@ -184,18 +190,13 @@ def public_personal_swapped(model: nn.Module, split: ParamSplit,
     mode, so the owner's model is left as it came (its gradients are cleared).
     Same release as on the copy (tests/test_fast_paths.py checks it bit for bit),
     without copying the model for every owner and round."""
-    missing = set(split.personal) - set(public_personal)
-    if missing:
-        raise ValueError(f"public values missing for personal parameters {sorted(missing)}")
     params = dict(model.named_parameters())
     saved = {n: p.detach().clone() for n, p in params.items()}
     flags = {n: p.requires_grad for n, p in params.items()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     modes = [(m, m.training) for m in model.modules()]
-    set_arrays(model, {n: public_personal[n] for n in split.personal})
-    for n in split.personal:
-        params[n].requires_grad_(False)
     try:
+        _set_public_frozen(model, split, public_personal)
         yield model
     finally:
         with torch.no_grad():
