@@ -89,12 +89,26 @@ def new_model(cfg: JobConfig, data: OwnerData) -> tuple[nn.Module, ParamSplit]:
 
 
 def public_personal(cfg: JobConfig, data: OwnerData) -> dict[str, np.ndarray]:
-    """The seeded initial values of the personal parameters: public (every node
-    derives them from the run config alone), so a release computed with them does
-    not depend on any owner's personal state. Read from the per-process initial
-    model (never handed out, only copied), so they are fresh copies."""
+    """The public values of the personal parameters that a decoupled release is
+    computed with (run-config ``release-personal``):
+
+    - ``seeded``: their seeded initial values;
+    - ``zero-head``: zero for the personal parameters of the model's head (its
+      ``HEAD_PREFIXES``, e.g. FC1), the seeded initial values for the others (a
+      personal conv layer at zero would zero the features the shared head sees).
+
+    Either way they are fixed by the run config alone, before any data is seen, so
+    a release computed with them does not depend on any owner's data or personal
+    state: it stays plain DP-SGD (or a plain clipped sum) on the shared parameters,
+    with the sensitivity and ledger event of :mod:`flwr_jdp.training.dp_sgd`. Read
+    from the per-process initial model (never handed out, only copied), so they are
+    fresh copies."""
     model, split = _initial_model(cfg, tuple(data.x_train.shape[1:]))
-    return dict(get_arrays(model, split.personal))
+    values = dict(get_arrays(model, split.personal))
+    if cfg.release_personal == "zero-head":
+        head = tuple(getattr(model, "HEAD_PREFIXES", ()))
+        values = {n: np.zeros_like(v) if head and n.startswith(head) else v for n, v in values.items()}
+    return values
 
 
 SharedArrays = ArrayRecord | dict[str, np.ndarray] | None

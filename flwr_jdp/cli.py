@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "batches (personal layers, per-silo, FedAvg, adaptation; DP-SGD releases are not "
                      "augmented, so no privacy cost); choose it on validation with "
                      "examples/joint_dp/tune.py --augment-shifts; 0 = none")
+    jdp.add_argument("--release-personal", choices=("seeded", "zero-head"), default="seeded",
+                     help="joint-dp, decoupled: the public values of the personal layers in the model "
+                     "each release is computed on (seeded initialisation, or the personal head at "
+                     "zero); a constant either way, so the release is the same DP-SGD")
     jdp.add_argument("--supernodes", type=_positive(int), default=2,
                      help="simulated SuperNodes; the owners are spread over them")
     jdp.add_argument("--local-epochs", type=_positive(int), default=None, help="default: paper Table 3")
@@ -135,7 +139,8 @@ def _reproduce(args: argparse.Namespace) -> int:
                     lr=args.learning_rate or 0.0,
                     personal_lr=args.personal_learning_rate or 0.0, ema_decay=args.ema_decay,
                     user_batch=args.user_batch_size, finetune_epochs=args.finetune_epochs,
-                    finetune_lr=args.finetune_learning_rate, augment=args.augment_shift)
+                    finetune_lr=args.finetune_learning_rate, augment=args.augment_shift,
+                    release=args.release_personal)
     except ValueError as err:
         print(f"flwr-jdp reproduce: {err}", file=sys.stderr)
         return 2

@@ -22,6 +22,11 @@ METHODS = ("joint-dp", "full-dp", "fedavg", "per-silo")
 #: :mod:`flwr_jdp.training.owner_round`): ``decoupled`` (record/user-level DP
 #: holds) or ``interleaved`` (the joint-DP paper's Algorithm 1; not covered).
 COUPLINGS = ("decoupled", "interleaved")
+#: The public values a decoupled release holds the personal parameters at (see
+#: :func:`flwr_jdp.apps.owner_state.public_personal`): ``seeded`` (the seeded
+#: initialisation) or ``zero-head`` (personal parameters of the model's head at zero,
+#: so the release trains the shared layers without a fixed random head beside them).
+RELEASE_PERSONAL = ("seeded", "zero-head")
 UNITS = tuple(u.value for u in PrivacyUnit if u is not PrivacyUnit.SUBJECT)
 PLACEMENTS = tuple(p.value for p in NoisePlacement)
 
@@ -37,7 +42,7 @@ MAX_AUGMENT_SHIFT = 8
 #: earlier run used: a stored config without the key equals one with it at this value.
 ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0, "finetune-epochs": 0,
                               "finetune-learning-rate": FINETUNE_LEARNING_RATE, "augment-shift": 0,
-                              "validation-source": "carve"}
+                              "validation-source": "carve", "release-personal": "seeded"}
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +81,11 @@ class JobConfig:
     augment_shift: int = 0
     personal_layers: str = r"^fc1\."
     personal_coupling: str = "decoupled"
+    #: Decoupled joint DP: the public values of the personal parameters in the model
+    #: a release is computed on (:data:`RELEASE_PERSONAL`). Either is a constant known
+    #: before any data is seen, so the release is plain DP-SGD (or a plain clipped
+    #: sum) on the shared parameters and its ledger event is the same.
+    release_personal: str = "seeded"
     privacy_unit: str = "record"
     records_per_user: int = 1
     user_batch_size: float = 0.0
@@ -263,6 +273,11 @@ def validate(cfg: JobConfig) -> None:
             raise _fail("personal_layers", "a valid regular expression", cfg.personal_layers) from None
         need(bool(cfg.personal_layers), "personal_layers", "a non-empty regular expression")
     need(cfg.personal_coupling in COUPLINGS, "personal_coupling", f"one of {COUPLINGS}")
+    need(cfg.release_personal in RELEASE_PERSONAL, "release_personal", f"one of {RELEASE_PERSONAL}")
+    need(cfg.release_personal == "seeded" or cfg.decoupled, "release_personal",
+         "'seeded' unless the release is decoupled (method 'joint-dp', privacy-unit 'record' or "
+         "'user', personal-coupling 'decoupled', noise on): only a decoupled release holds the "
+         "personal parameters at public values")
     if cfg.fraction_train < 1 and cfg.privacy_unit != "owner":
         raise ConfigError(
             "run-config key 'fraction-train' must be 1.0 unless privacy-unit='owner' "

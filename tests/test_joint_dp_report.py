@@ -448,3 +448,20 @@ def test_tuning_table_counts_every_parameter_as_shared_for_full_dp():
             "learning_rate": "1", "val_acc": "0.5"}
     lines = report.tuning_table([{**base, "method": "joint-dp"}, {**base, "method": "full-dp"}]).splitlines()[2:]
     assert [line.split(" | ")[-2] for line in lines] == ["29,034", "44,724"]
+
+
+def test_a_zero_head_release_gets_its_own_line_and_never_replaces_table1():
+    """A joint-DP row run with ``release-personal = zero-head`` is its own setting: the
+    rule table names it after the rule, and Table 1's FC1 cell stays the seeded one."""
+    report = _report()
+    zero = Cell("fashion-mnist", 256, "joint-dp", "local", 1.0, release="zero-head")
+    silo = Cell("fashion-mnist", 256, "per-silo", "local", 1.0)
+    t1 = [{k: str(v) for k, v in _row(silo, 0.70).items()},
+          {k: str(v) for k, v in _row(Cell("fashion-mnist", 256, "joint-dp"), 0.71).items()}]
+    row = {k: str(v) for k, v in dict(_row(zero, 0.72), release_personal="zero-head").items()}
+    assert report.cell_of(row) == zero and report.cell_of(t1[1]).release == "seeded"
+    assert report._overridden(row) and not report._overridden(t1[1])
+    lines = report.personal_rule_table([row], t1).splitlines()
+    assert lines[2].startswith("| 256 | local | fc1, release with zero-head | 29,034 | 0.05 | 0.05 | 0 | none | 0 "
+                               "| 0.7200 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) |")
+    assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"

@@ -39,9 +39,10 @@ def test_old_table_gains_the_clipping_norm_its_runs_used(tmp_path):
     assert [r["seed"] for r in rows] == ["0", "0"]  # the only seed tuned before the column
     assert [r["augment_shift"] for r in rows] == ["0", "0"]  # no translation before the key
     assert [r["validation_source"] for r in rows] == ["carve", "carve"]  # the only source before the key
+    assert [r["release_personal"] for r in rows] == ["seeded", "seeded"]  # the only values before the key
     assert table.read_text().splitlines()[0].endswith(",clipping_norm,ema_decay,records_per_user,user_batch_size,"
                                                       "finetune_epochs,finetune_learning_rate,seed,augment_shift,"
-                                                      "validation_source")
+                                                      "validation_source,release_personal")
     assert read_rows(table) == rows and tune.upgrade_table(table) == rows  # idempotent
 
 
@@ -117,6 +118,16 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
     assert _main(tune, monkeypatch, *common, "--augment-shifts", "2") == 0
     assert calls == []
 
+    # the release's public personal values: seeded is the point already run
+    calls.clear()
+    assert _main(tune, monkeypatch, *common, "--release-personals", "seeded", "zero-head") == 0
+    assert calls == [("lr0.05-plr0.05-relzero-head", 0.1,
+                      {"learning-rate": 0.05, "personal-learning-rate": 0.05, "release-personal": "zero-head"})]
+    assert read_rows(tmp_path / "tuning.csv")[-1]["release_personal"] == "zero-head"
+    calls.clear()
+    assert _main(tune, monkeypatch, *common, "--release-personals", "zero-head") == 0
+    assert calls == []
+
     # a second validation seed is another point: run once, recorded with its seed, then skipped
     calls.clear()
     seeds.clear()
@@ -147,7 +158,9 @@ def test_finished_points_are_skipped_and_new_clipping_norms_are_run(tmp_path, mo
                                   ("--method", "full-dp", "--finetune-epochs", "5"),
                                   ("--method", "joint-dp", "--finetune-epochs", "-1"),
                                   ("--method", "joint-dp", "--finetune-learning-rates", "0"),
-                                  ("--method", "per-silo", "--augment-shifts", "9")])
+                                  ("--method", "per-silo", "--augment-shifts", "9"),
+                                  ("--method", "full-dp", "--release-personals", "zero-head"),
+                                  ("--method", "joint-dp", "--release-personals", "zeros")])
 def test_bad_grid_values_fail_at_start(tmp_path, monkeypatch, capsys, args):
     tune = _tune()
     with pytest.raises(SystemExit):

@@ -39,11 +39,12 @@ def _release(cfg, model, split, data, public):
     return rel
 
 
+@pytest.mark.parametrize("release", ["seeded", "zero-head"])
 @pytest.mark.parametrize("placement", ["local", "central"])
 @pytest.mark.parametrize("unit", ["record", "user"])
-def test_decoupled_release_ignores_personal_state(run_config, placement, unit):
+def test_decoupled_release_ignores_personal_state(run_config, placement, unit, release):
     cfg = _cfg(run_config, **{"noise-placement": placement, "privacy-unit": unit,
-                              "records-per-user": 3})
+                              "records-per-user": 3, "release-personal": release})
     assert cfg.decoupled
     data = owner_data(cfg)[1]
     model, split = new_model(cfg, data)
@@ -124,3 +125,43 @@ def test_owners_end_fitted_on_the_final_broadcast(run_config, placement):
                 assert any(not np.allclose(a, p) for a, p in zip(arrays, public.values(), strict=False))
                 fitted += 1
     assert fitted == cfg.num_owners
+
+
+def test_zero_head_release_values(run_config):
+    """``release-personal = zero-head``: personal head parameters are public zeros,
+    personal parameters outside the head keep their seeded values."""
+    cfg = _cfg(run_config, **{"personal-layers": r"^(conv1|fc1)\.", "release-personal": "zero-head"})
+    seeded = _cfg(run_config, **{"release-personal": "seeded"})
+    data = owner_data(cfg)[0]
+    zero, init = public_personal(cfg, data), public_personal(seeded, data)
+    assert set(zero) == {"conv1.weight", "conv1.bias", "fc1.weight", "fc1.bias"} == set(init)
+    for n in ("fc1.weight", "fc1.bias"):
+        assert not np.any(zero[n]) and np.any(init[n])
+    for n in ("conv1.weight", "conv1.bias"):
+        np.testing.assert_array_equal(zero[n], init[n])
+
+
+def test_zero_head_release_is_dp_sgd_on_a_zero_head_model(run_config):
+    """The zero-head release equals the seeded release computed on a model whose
+    seeded FC1 was replaced by zeros: only the public constant differs, so the
+    release is the same DP-SGD mechanism (and ledger event) on the shared layers;
+    and it differs from the seeded release (the key does act)."""
+    cfg = _cfg(run_config, **{"release-personal": "zero-head"})
+    seeded = _cfg(run_config, **{"release-personal": "seeded"})
+    data = owner_data(cfg)[1]
+    model, split = new_model(cfg, data)
+    zero_public = public_personal(cfg, data)
+    rel_zero = _release(cfg, copy.deepcopy(model), split, data, zero_public)
+    rel_same = _release(seeded, copy.deepcopy(model), split, data, zero_public)
+    rel_seeded = _release(seeded, copy.deepcopy(model), split, data, public_personal(seeded, data))
+    for n in split.shared:
+        np.testing.assert_array_equal(rel_zero[n], rel_same[n])
+    assert any(not np.array_equal(rel_zero[n], rel_seeded[n]) for n in split.shared)
+
+
+@pytest.mark.parametrize("extra", [{"method": "full-dp"}, {"personal-coupling": "interleaved"},
+                                   {"privacy-unit": "owner"}, {"bogus": 1, "release-personal": "zeros"}])
+def test_release_personal_outside_a_decoupled_release_names_the_key(run_config, extra):
+    run_config.update({"method": "joint-dp", "release-personal": "zero-head", **extra})
+    with pytest.raises(ConfigError, match="release-personal"):
+        parse_config(run_config)

@@ -189,7 +189,7 @@ def test_a_seed_stored_before_ema_decay_and_user_batch_existed_is_still_reused(t
     seed_dir = tmp_path / "runs" / cell.name / "seed0"
     seed_dir.mkdir(parents=True)
     old = parse_config(run_config(cell, 0, "", str(seed_dir))).to_dict()
-    del old["ema-decay"], old["user-batch-size"], old["augment-shift"]
+    del old["ema-decay"], old["user-batch-size"], old["augment-shift"], old["release-personal"]
     (seed_dir / "results.json").write_text(json.dumps(
         {"status": "completed", "config": old, "final_accuracy": 0.5, "wall_seconds": 3.0}))
     monkeypatch.setattr(simulation, "simulate", lambda *a, **k: pytest.fail("a finished seed was rerun"))
@@ -197,6 +197,18 @@ def test_a_seed_stored_before_ema_decay_and_user_batch_existed_is_still_reused(t
     # with a moving average it is another configuration (and another folder)
     averaged = Cell("digits", 4, "joint-dp", "local", 8.0, ema_decay=0.5)
     assert averaged.name != cell.name
+    # so is a release with the personal head at zero, which the run config carries
+    zero = Cell("digits", 4, "joint-dp", "local", 8.0, release="zero-head")
+    assert zero.name == cell.name + "-relzero-head"
+    assert run_config(zero, 0, "", str(seed_dir))["release-personal"] == "zero-head"
+    assert "release-personal" not in run_config(cell, 0, "", str(seed_dir))
+
+
+@pytest.mark.parametrize("kwargs", [{"release": "zeros"}, {"method": "full-dp", "release": "zero-head"},
+                                    {"coupling": "interleaved", "release": "zero-head"}])
+def test_a_cell_refuses_a_release_personal_it_cannot_use(kwargs):
+    with pytest.raises(ValueError, match="release-personal"):
+        Cell("digits", 4, **{"method": "joint-dp", **kwargs})
 
 
 def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path, monkeypatch):
@@ -212,8 +224,8 @@ def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path
                      "digits,4,fedavg,-,inf,1,0.7,0.0,1,fc1,1,2,3.0,-\n")
     rows = upgrade_table(table)
     assert [(r["personal_learning_rate"], r["ema_decay"], r["user_batch_size"], r["finetune_epochs"],
-             r["finetune_learning_rate"], r["learning_rate"], r["augment_shift"])
-            for r in rows] == [("0.05", "0", "0", "0", "-", "0.05", "0")] * 2
+             r["finetune_learning_rate"], r["learning_rate"], r["augment_shift"], r["release_personal"])
+            for r in rows] == [("0.05", "0", "0", "0", "-", "0.05", "0", "seeded")] * 2
     assert read_rows(table) == rows and upgrade_table(table) == rows  # idempotent
     # a finished cell whose row is already there (in the old format) is not appended again
     cell = Cell("digits", 4, "joint-dp", "local", 8.0)
@@ -226,3 +238,41 @@ def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path
     monkeypatch.setattr(simulation, "simulate", lambda *a, **k: pytest.fail("a finished seed was rerun"))
     run_cell(cell, 1, "", tmp_path, table="t.csv", local_epochs=1, rounds=2)
     assert len(read_rows(table)) == 2
+
+
+def _upgrade_in_a_process(path: str, ready, go) -> None:
+    from pathlib import Path
+
+    from flwr_jdp.reproduce.joint_dp import upgrade_table
+
+    ready.set()
+    go.wait()
+    upgrade_table(Path(path))
+
+
+def test_tables_upgraded_by_processes_side_by_side_keep_each_row_once(tmp_path):
+    """Two tuning runs started together both upgrade an old table: each row must stay
+    once (the table is rewritten whole and moved into place, never truncated and
+    refilled while another process reads it)."""
+    import multiprocessing as mp
+
+    from flwr_jdp.reproduce.joint_dp import COLUMNS, read_rows
+
+    table = tmp_path / "t.csv"
+    old = "dataset,owners,method,trust,epsilon,seeds,acc_mean,acc_std,records_per_user,personal_layers\n"
+    table.write_text(old + "".join(f"digits,4,fedavg,-,inf,1,0.{i:04d},0.0,1,fc1\n" for i in range(3000)))
+    ctx = mp.get_context("spawn")
+    go = ctx.Event()
+    readies = [ctx.Event() for _ in range(4)]
+    procs = [ctx.Process(target=_upgrade_in_a_process, args=(str(table), r, go)) for r in readies]
+    for p in procs:
+        p.start()
+    for r in readies:
+        r.wait(60)
+    go.set()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    rows = read_rows(table)
+    assert sorted(r["acc_mean"] for r in rows) == sorted(f"0.{i:04d}" for i in range(3000))
+    assert list(rows[0]) == list(COLUMNS) and not list(tmp_path.glob(".t.csv-*"))

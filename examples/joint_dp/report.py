@@ -86,16 +86,17 @@ def _overridden(row: dict[str, str]) -> bool:
     rate, moving average, user batch or adaptation before evaluation (not a Table 1 cell)."""
     cell = cell_of(row)
     return bool(cell.lr or cell.personal_lr or cell.ema_decay or cell.user_batch or cell.finetune_epochs
-                or cell.augment)
+                or cell.augment or cell.release != "seeded")
 
 
-def _settings(row: dict[str, str]) -> tuple[str, float, float, float, int, float, int]:
+def _settings(row: dict[str, str]) -> tuple[str, float, float, float, int, float, int, str]:
     """(personal rule, personal learning rate, shared learning rate, EMA decay, adaptation
-    epochs and rate, augmentation shift) of a row; rows written before those columns
-    existed ran at the HPARAMS learning rates, no EMA, no adaptation, no augmentation."""
+    epochs and rate, augmentation shift, public personal values of the release) of a row;
+    rows written before those columns existed ran at the HPARAMS learning rates, no EMA,
+    no adaptation, no augmentation, seeded personal values in the release."""
     cell = cell_of(row)
     return (cell.personal, cell.personal_learning_rate, cell.learning_rate, cell.ema_decay, cell.finetune_epochs,
-            cell.finetune_lr, cell.augment)
+            cell.finetune_lr, cell.augment, cell.release)
 
 
 def _finetune_text(epochs: int, lr: float) -> str:
@@ -108,7 +109,8 @@ def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]
     (``table1_personal.csv``): a personal-layer rule other than Table 1's FC1, a
     personal or shared learning rate, a moving average of the evaluated shared model, an
     adaptation of each owner's evaluated model to its own records, a random translation
-    of the owners' own training images. One line per (n, trust, settings), beside Table
+    of the owners' own training images, public personal values other than the seeded ones in
+    the release (shown after the rule: "release with zero-head"). One line per (n, trust, settings), beside Table
     1's FC1 cell of the same n and trust, Table 1's per-silo cell and per-silo with the
     same translation (a per-silo row of ``rows``; Table 1's without translation); the
     latest row of each wins. With ``runs``, the last column is these settings minus
@@ -122,14 +124,15 @@ def personal_rule_table(rows: list[dict[str, str]], t1_rows: list[dict[str, str]
     rows = [r for r in rows if r["method"] == "joint-dp" and float(r["epsilon"]) == 1.0]
     t1_fc1 = [r for r in t1_rows if float(r["epsilon"]) == 1.0 and _rule(r) == "fc1"]
     for n, trust, settings in sorted({(int(r["owners"]), r["trust"], _settings(r)) for r in rows}):
-        rule, plr, lr, decay, ft, ftlr, shift = settings
+        rule, plr, lr, decay, ft, ftlr, shift, release = settings
         cells = [_latest([r for r in rows if _settings(r) == settings], owners=str(n), trust=trust),
                  _latest(t1_fc1, owners=str(n), method="joint-dp", trust=trust),
                  _latest(t1_rows, owners=str(n), method="per-silo")]
         same = (_latest([r for r in silo if cell_of(r).augment == shift], owners=str(n)) if shift
                 else cells[2])
         paired = paired_difference(runs, cells[0], same) if runs and cells[0] and same else ""
-        lines.append(f"| {n} | {trust} | {rule} | {shared_parameter_count(rule):,} | {plr:g} | {lr:g} | {decay:g} | "
+        shown = rule if release == "seeded" else f"{rule}, release with {release}"
+        lines.append(f"| {n} | {trust} | {shown} | {shared_parameter_count(rule):,} | {plr:g} | {lr:g} | {decay:g} | "
                      f"{_finetune_text(ft, ftlr)} | {shift} | "
                      + " | ".join(_fmt(c) if c else "not run" for c in [*cells, same]) + f" | {paired} |")
     return "\n".join(lines)
@@ -177,7 +180,8 @@ def cell_of(row: dict[str, str]) -> Cell:
                 user_batch=float(row.get("user_batch_size") or 0.0),
                 finetune_epochs=int(row.get("finetune_epochs") or 0),
                 finetune_lr=float(ftlr) if (ftlr := row.get("finetune_learning_rate") or "-") != "-"
-                else FINETUNE_LEARNING_RATE, augment=int(row.get("augment_shift") or 0))
+                else FINETUNE_LEARNING_RATE, augment=int(row.get("augment_shift") or 0),
+                release=row.get("release_personal") or "seeded")
 
 
 def run_seconds(runs: Path, cell: Cell) -> list[float]:
@@ -450,7 +454,8 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
 
 #: Values an empty tuning-table cell stands for (rows from before the column existed).
 _TUNING_DEFAULTS = {"ema_decay": "0", "records_per_user": "1", "user_batch_size": "0", "finetune_epochs": "0",
-                    "finetune_learning_rate": "-", "seed": "0", "augment_shift": "0", "validation_source": "carve"}
+                    "finetune_learning_rate": "-", "seed": "0", "augment_shift": "0", "validation_source": "carve",
+                    "release_personal": "seeded"}
 
 
 def tuning_table(rows: list[dict[str, str]]) -> str:
@@ -460,7 +465,8 @@ def tuning_table(rows: list[dict[str, str]]) -> str:
     keys = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
             "validation_fraction", "validation_source",
             "learning_rate", "personal_learning_rate", "clipping_norm", "ema_decay", "records_per_user",
-            "user_batch_size", "finetune_epochs", "finetune_learning_rate", "augment_shift", "noise_multiplier",
+            "user_batch_size", "finetune_epochs", "finetune_learning_rate", "augment_shift", "release_personal",
+            "noise_multiplier",
             "final_epsilon", "seed")
     lines = ["| " + " | ".join(keys) + " | shared params | validation accuracy |", "|" + "---|" * (len(keys) + 2)]
     for r in rows:

@@ -54,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-from flwr_jdp.config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT
+from flwr_jdp.config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT, RELEASE_PERSONAL
 from flwr_jdp.data.partition import VALIDATION_SOURCES
 from flwr_jdp.reproduce.joint_dp import Cell, append_row, finetune_columns, run_seed
 from flwr_jdp.reproduce.joint_dp import upgrade_table as upgrade_rows
@@ -64,7 +64,7 @@ COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers",
            "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
            "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay", "records_per_user",
            "user_batch_size", "finetune_epochs", "finetune_learning_rate", "seed", "augment_shift",
-           "validation_source")
+           "validation_source", "release_personal")
 
 
 def _added_columns(r: dict[str, str]) -> dict[str, str]:
@@ -73,13 +73,14 @@ def _added_columns(r: dict[str, str]) -> dict[str, str]:
     moving average (``ema_decay`` 0), the record level (``records_per_user`` 1, so
     ``user_batch_size`` 0), no adaptation before evaluation (``finetune_epochs`` 0),
     seed 0 (the only seed tuned before the column), no augmentation (``augment_shift`` 0),
-    a validation split carved from the owners' records (``validation_source`` carve)."""
+    a validation split carved from the owners' records (``validation_source`` carve),
+    personal parameters at their seeded values in every release (``release_personal`` seeded)."""
     old = Cell(r["dataset"], int(r["owners"]), r["method"],
                r["trust"] if r["trust"] != "-" else "local",
                float(r["epsilon"]) if r["epsilon"] != "inf" else 1.0, 1, r["personal_layers"])
     return {"clipping_norm": f"{old.hparams['clipping-norm']:g}" if old.dp else "", "ema_decay": "0",
             "records_per_user": "1", "user_batch_size": "0", **finetune_columns(0, 0.0), "seed": "0",
-            "augment_shift": "0", "validation_source": "carve"}
+            "augment_shift": "0", "validation_source": "carve", "release_personal": "seeded"}
 
 
 def upgrade_table(table: Path) -> list[dict[str, str]]:
@@ -126,6 +127,9 @@ def main() -> int:
     parser.add_argument("--augment-shifts", type=int, nargs="*", default=[],
                         help="pixels of random translation of the owners' own training batches to try "
                         "(run-config augment-shift; default 0 = none)")
+    parser.add_argument("--release-personals", nargs="*", default=[], choices=RELEASE_PERSONAL,
+                        help="public values of the personal layers in each release to try, joint-dp "
+                        "only (run-config release-personal; default seeded)")
     parser.add_argument("--validation-fraction", type=float, default=0.1)
     parser.add_argument("--validation-source", choices=VALIDATION_SOURCES, default="carve",
                         help="carve: --validation-fraction of each owner's training records; pool: "
@@ -165,6 +169,9 @@ def main() -> int:
     decays = args.ema_decays or [0.0]
     user_batches = args.user_batch_sizes or [0.0]
     shifts = args.augment_shifts or [0]
+    releases = args.release_personals or ["seeded"]
+    if releases != ["seeded"] and args.method != "joint-dp":
+        parser.error("--release-personals applies to --method joint-dp only")
     # (epochs, rate) pairs; without adaptation the rate is unused, so one point
     adaptations = sorted({(e, lr if e else 0.0) for e in (args.finetune_epochs or [0])
                           for lr in (args.finetune_learning_rates or [FINETUNE_LEARNING_RATE])})
@@ -172,25 +179,27 @@ def main() -> int:
     table = Path(args.out) / "tuning.csv"
     work = Path(args.out) / "tuning_runs"
     rows = upgrade_table(table)
-    for lr, plr, clip, decay, ub, (ft, ftlr), shift in itertools.product(
-            args.learning_rates, personal_lrs, clips, decays, user_batches, adaptations, shifts):
+    for lr, plr, clip, decay, ub, (ft, ftlr), shift, release in itertools.product(
+            args.learning_rates, personal_lrs, clips, decays, user_batches, adaptations, shifts, releases):
         ft_cols = finetune_columns(ft, ftlr)
         clip_txt = f"{clip:g}" if clip is not None else ""
         point = (f"lr={lr:g} personal lr={plr:g}" + (f" C={clip_txt}" if clip_txt else "")
                  + (f" ema-decay={decay:g}" if decay else "")
                  + (f" m/r={mr}" if mr != "1" else "") + (f" user-batch={ub:g}" if ub else "")
                  + (f" finetune={ft} epochs at {ftlr:g}" if ft else "")
-                 + (f" augment-shift={shift}" if shift else ""))
+                 + (f" augment-shift={shift}" if shift else "")
+                 + (f" release-personal={release}" if release != "seeded" else ""))
         key = (cell.dataset, str(cell.owners), cell.method, cell.trust if cell.dp else "-",
                f"{cell.epsilon:g}" if cell.dp else "inf", cell.personal, f"{lr:g}", f"{plr:g}", clip_txt,
                f"{decay:g}", mr, f"{ub:g}", ft_cols["finetune_epochs"], ft_cols["finetune_learning_rate"],
-               str(args.seed), str(shift), args.validation_source)
+               str(args.seed), str(shift), args.validation_source, release)
         if any((r["dataset"], r["owners"], r["method"], r["trust"], r["epsilon"], r["personal_layers"],
                 r["learning_rate"], r["personal_learning_rate"], r["clipping_norm"],
                 r.get("ema_decay") or "0", r.get("records_per_user") or "1",
                 r.get("user_batch_size") or "0", r.get("finetune_epochs") or "0",
                 r.get("finetune_learning_rate") or "-", r.get("seed") or "0",
-                r.get("augment_shift") or "0", r.get("validation_source") or "carve") == key for r in rows):
+                r.get("augment_shift") or "0", r.get("validation_source") or "carve",
+                r.get("release_personal") or "seeded") == key for r in rows):
             print(f"skip {point} (in {table.name})", flush=True)
             continue
         extra = {"learning-rate": lr, "personal-learning-rate": plr}
@@ -210,6 +219,9 @@ def main() -> int:
         if shift:
             extra["augment-shift"] = shift
             run_dir += f"-aug{shift}"
+        if release != "seeded":
+            extra["release-personal"] = release
+            run_dir += f"-rel{release}"
         if args.validation_source != "carve":
             run_dir += f"-val{args.validation_source}"
         t0 = time.time()
@@ -241,6 +253,8 @@ def main() -> int:
           + (f" finetune={best['finetune_epochs']} epochs at {best['finetune_learning_rate']}"
              if best.get("finetune_epochs", "0") != "0" else "")
           + (f" augment-shift={best['augment_shift']}" if best.get("augment_shift", "0") != "0" else "")
+          + (f" release-personal={best['release_personal']}"
+             if best.get("release_personal", "seeded") != "seeded" else "")
           + f" -> {float(best['val_acc']):.4f}", flush=True)
     return 0
 

@@ -77,19 +77,20 @@ import math
 import os
 import re
 import statistics
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT, comparable, parse_config
+from ..config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT, RELEASE_PERSONAL, comparable, parse_config
 
 METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
 TRUST = ("local", "central")
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "seeds", "acc_mean", "acc_std",
            "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds", "coupling",
            "personal_learning_rate", "ema_decay", "user_batch_size", "finetune_epochs",
-           "finetune_learning_rate", "learning_rate", "augment_shift")
+           "finetune_learning_rate", "learning_rate", "augment_shift", "release_personal")
 COUPLINGS = ("decoupled", "interleaved")
 
 #: The paper's Table 3: n -> (local epochs E, global rounds T).
@@ -180,6 +181,11 @@ class Cell:
     #: (run-config ``augment-shift``; 0 = none): personal parameters, per-silo, FedAvg,
     #: adaptation. DP-SGD releases are not augmented, so the ledger is unchanged.
     augment: int = 0
+    #: Decoupled joint DP only: the public values of the personal parameters in the
+    #: model a release is computed on (run-config ``release-personal``; ``seeded`` =
+    #: their seeded initialisation, ``zero-head`` = personal head parameters at zero).
+    #: A constant either way, so the release and its ledger event are the same DP-SGD.
+    release: str = "seeded"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -222,6 +228,10 @@ class Cell:
             raise ValueError(f"--augment-shift must be in [0, {MAX_AUGMENT_SHIFT}] pixels, got {self.augment}")
         if self.lr == self.hparams["learning-rate"]:
             object.__setattr__(self, "lr", 0.0)  # the default spelt out: same cell
+        if self.release not in RELEASE_PERSONAL:
+            raise ValueError(f"--release-personal must be one of {RELEASE_PERSONAL}, got {self.release!r}")
+        if self.release != "seeded" and not (self.method == "joint-dp" and self.coupling == "decoupled"):
+            raise ValueError("--release-personal applies to joint-dp with decoupled personal layers only")
 
     @property
     def hparams(self) -> dict[str, Any]:
@@ -253,7 +263,8 @@ class Cell:
                 + (f"-ema{self.ema_decay:g}" if self.ema_decay else "")
                 + (f"-ub{self.user_batch:g}" if self.user_batch else "")
                 + (f"-ft{self.finetune_epochs}-ftlr{self.finetune_lr:g}" if self.finetune_epochs else "")
-                + (f"-aug{self.augment}" if self.augment else ""))
+                + (f"-aug{self.augment}" if self.augment else "")
+                + (f"-rel{self.release}" if self.release != "seeded" else ""))
 
 
 @functools.cache
@@ -327,6 +338,8 @@ def run_config(cell: Cell, seed: int, data_dir: str, results_dir: str, *,
         cfg["finetune-learning-rate"] = cell.finetune_lr
     if cell.augment:
         cfg["augment-shift"] = cell.augment
+    if cell.release != "seeded":
+        cfg["release-personal"] = cell.release
     if validation_source != "carve":
         cfg["validation-source"] = validation_source
     cfg.update(extra or {})
@@ -399,6 +412,7 @@ def run_cell(cell: Cell, seeds: int, data_dir: str, out_dir: str | os.PathLike[s
         "personal_learning_rate": f"{cell.personal_learning_rate:g}", "ema_decay": f"{cell.ema_decay:g}",
         "user_batch_size": f"{cell.user_batch:g}", **finetune_columns(cell.finetune_epochs, cell.finetune_lr),
         "learning_rate": f"{cell.learning_rate:g}", "augment_shift": str(cell.augment),
+        "release_personal": cell.release,
     }
     if {k: str(row.get(k, "")) for k in COLUMNS} in upgrade_table(out / table):
         print(f"[{cell.name}] every seed reused: {table} already holds this row", flush=True)
@@ -428,11 +442,12 @@ def _columns_added_since(row: dict[str, str]) -> dict[str, str]:
     """Values of the :data:`COLUMNS` added after the first tables were written, at
     what those rows' runs used: the HPARAMS personal learning rate, no moving average,
     the default user batch (``user_batch_size`` 0), no adaptation before evaluation, the
-    HPARAMS learning rate of the shared parameters, no augmentation."""
+    HPARAMS learning rate of the shared parameters, no augmentation, personal
+    parameters at their seeded values in every decoupled release."""
     hp = hparams_for(row["method"], row.get("trust", ""))
     return {"personal_learning_rate": f"{hp['personal-learning-rate']:g}", "ema_decay": "0",
             "user_batch_size": "0", **finetune_columns(0, 0.0), "learning_rate": f"{hp['learning-rate']:g}",
-            "augment_shift": "0"}
+            "augment_shift": "0", "release_personal": "seeded"}
 
 
 def upgrade_table(path: Path, columns: tuple[str, ...] = COLUMNS,
@@ -447,9 +462,16 @@ def upgrade_table(path: Path, columns: tuple[str, ...] = COLUMNS,
     for r in rows:
         for k, v in added(r).items():
             r.setdefault(k, v)
-    path.write_text("")
-    for r in rows:
-        append_row(path, r, columns)
+    # Written whole to a temporary file, then moved into place: a process that runs
+    # beside this one (two tuning runs started together) reads either the old table
+    # or the new one, never a half-rewritten file whose rows it would write again.
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    with os.fdopen(fd, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({k: r.get(k, "") for k in columns} for r in rows)
+    os.replace(tmp, path)
     return read_rows(path)
 
 
