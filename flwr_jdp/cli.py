@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import FINETUNE_LEARNING_RATE
+from .config import FINETUNE_LEARNING_RATE, RELEASE_PERSONAL
 from .data.partition import VALIDATION_SOURCES
 from .privacy import events as ev
 from .privacy.accountants import ACCOUNTANTS, epsilon
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "batches (personal layers, per-silo, FedAvg, adaptation; DP-SGD releases are not "
                      "augmented, so no privacy cost); choose it on validation with "
                      "examples/joint_dp/tune.py --augment-shifts; 0 = none")
-    jdp.add_argument("--release-personal", choices=("seeded", "zero-head"), default="seeded",
+    jdp.add_argument("--release-personal", choices=RELEASE_PERSONAL, default="seeded",
                      help="joint-dp, decoupled: the public values of the personal layers in the model "
                      "each release is computed on (seeded initialisation, or the personal head at "
                      "zero); a constant either way, so the release is the same DP-SGD")

@@ -165,3 +165,20 @@ def test_release_personal_outside_a_decoupled_release_names_the_key(run_config, 
     run_config.update({"method": "joint-dp", "release-personal": "zero-head", **extra})
     with pytest.raises(ConfigError, match="release-personal"):
         parse_config(run_config)
+
+
+def test_zero_head_reaches_the_clientapp_and_keeps_the_ledger(run_config, tmp_path):
+    """Through the real ServerApp strategy and ClientApp: with the same noise seed, the
+    zero-head run releases other shared parameters than the seeded one (the nodes read
+    the key from the run config) and records exactly the same ledger events."""
+    runs = {}
+    for release in ("seeded", "zero-head"):
+        cfg = dict(run_config, method="joint-dp", **{"release-personal": release,
+                                                     "results-dir": str(tmp_path / release)})
+        strategy, _, result = run_inprocess(cfg, num_nodes=2)
+        runs[release] = (strategy, {k: v.numpy() for k, v in result.arrays.items()})
+    (seeded, a), (zero, b) = runs["seeded"], runs["zero-head"]
+    assert set(a) == set(b) and any(not np.array_equal(a[k], b[k]) for k in a)
+    assert seeded.noise_multiplier == zero.noise_multiplier
+    assert seeded.ledger.scopes == zero.ledger.scopes and seeded.ledger.scopes
+    assert seeded.ledger.epsilon() == zero.ledger.epsilon()
