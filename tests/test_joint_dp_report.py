@@ -465,3 +465,80 @@ def test_a_zero_head_release_gets_its_own_line_and_never_replaces_table1():
     assert lines[2].startswith("| 256 | local | fc1, release with zero-head | 29,034 | 0.05 | 0.05 | 0 | none | 0 "
                                "| 0.7200 ± 0.0000 (1) | 0.7100 ± 0.0000 (1) |")
     assert report.table1(t1 + [row]).splitlines()[2].split(" | ")[5] == "0.7100 ± 0.0000 (1)"
+
+
+def test_validated_rate_points_pair_each_method_at_its_chosen_rates(tmp_path):
+    """Figure 1 points at validation-chosen rates: each method's latest row at chosen
+    rates (epsilon = 1 from table1.csv / table1_personal.csv), its HPARAMS row where
+    validation kept HPARAMS' rates; rows with other overrides stay out; the paired
+    difference uses the seeds both cells finished."""
+    report = _report()
+
+    def row(cell: Cell, acc: float, seeds: int = 1, **extra) -> dict[str, str]:
+        out = dict(_row(cell, acc), seeds=seeds, learning_rate=cell.learning_rate,
+                   personal_learning_rate=cell.personal_learning_rate, **extra)
+        return {k: str(v) for k, v in out.items()}
+
+    joint = Cell("fashion-mnist", 512, "joint-dp", "central", 10.0, lr=2.0, personal_lr=0.00625)
+    full = Cell("fashion-mnist", 512, "full-dp", "central", 10.0, lr=2.0)
+    fig = [row(Cell("fashion-mnist", 512, "joint-dp", "central", 10.0), 0.70),
+           row(Cell("fashion-mnist", 512, "full-dp", "central", 10.0), 0.71),
+           row(joint, 0.74, seeds=2), row(full, 0.72, seeds=2),
+           row(Cell("fashion-mnist", 512, "joint-dp", "central", 10.0, ema_decay=0.5), 0.99, ema_decay=0.5)]
+    t1 = [row(Cell("fashion-mnist", 512, "joint-dp", "central", 1.0, lr=2.0), 0.74),
+          row(Cell("fashion-mnist", 512, "full-dp", "central", 1.0), 0.70)]
+    rules = [row(Cell("fashion-mnist", 512, "joint-dp", "central", 1.0, lr=2.0, personal_lr=0.00625), 0.76)]
+    for cell, accs in ((joint, (0.75, 0.73)), (full, (0.70, 0.74))):
+        for seed, acc in enumerate(accs):
+            d = tmp_path / cell.name / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "results.json").write_text(json.dumps({"status": "completed", "final_accuracy": acc}))
+    lines = report.validated_rate_points(fig, t1, rules, tmp_path).splitlines()[2:]
+    assert lines == [
+        "| 512 | central | 1 | 0.7600 ± 0.0000 (1) T1, lr 2, plr 0.00625 | 0.7000 ± 0.0000 (1) T1, lr 1, HPARAMS "
+        "| +0.0600 |  |",
+        "| 512 | central | 10 | 0.7400 ± 0.0000 (2), lr 2, plr 0.00625 | 0.7200 ± 0.0000 (2), lr 2 | +0.0200 "
+        "| +0.0200 ± 0.0424 (1 of 2 seeds above) |",
+    ]
+    # without a row at chosen rates in figure1.csv there is nothing to show
+    assert len(report.validated_rate_points(fig[:2], t1, rules).splitlines()) == 2
+
+
+def test_figure1_draws_the_chosen_rate_curve_only_where_figure1_has_such_points(tmp_path):
+    """The dash-dotted curve at validation-chosen rates joins the epsilon = 1 cell of
+    table1_personal.csv to figure1.csv's points; a panel without them has none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = _report()
+
+    def row(cell: Cell, acc: float) -> dict[str, str]:
+        out = dict(_row(cell, acc), learning_rate=cell.learning_rate,
+                   personal_learning_rate=cell.personal_learning_rate)
+        return {k: str(v) for k, v in out.items()}
+
+    fig = [row(Cell("fashion-mnist", 512, "joint-dp", "central", 10.0), 0.70),
+           row(Cell("fashion-mnist", 512, "joint-dp", "central", 10.0, lr=2.0, personal_lr=0.00625), 0.76),
+           row(Cell("fashion-mnist", 8, "joint-dp", "central", 10.0), 0.80)]
+    rules = [row(Cell("fashion-mnist", 512, "joint-dp", "central", 1.0, lr=2.0, personal_lr=0.00625), 0.75)]
+    drawn = {}
+    real_subplots = plt.subplots
+
+    def spy(*args, **kwargs):
+        f, axes = real_subplots(*args, **kwargs)
+        drawn["axes"] = axes[0]
+        return f, axes
+
+    plt.subplots = spy
+    try:
+        assert report.figure1(fig, [], tmp_path / "figure1.png", rules)
+    finally:
+        plt.subplots = real_subplots
+    small, large = drawn["axes"]
+    label = "joint-dp (central, rates chosen on validation)"
+    assert label not in small.get_legend_handles_labels()[1]
+    line = [h for h, lab in zip(*large.get_legend_handles_labels(), strict=True) if lab == label][0]
+    assert list(line.lines[0].get_xdata()) == [1.0, 10.0]
+    assert list(line.lines[0].get_ydata()) == [0.75, 0.76]

@@ -400,6 +400,58 @@ def figure1_points(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]]
     return "\n".join(lines)
 
 
+def _rates_only(r: dict[str, str]) -> bool:
+    """True if row ``r`` is a Figure 1 cell (record level, FC1 personal, decoupled)
+    whose only departures from :data:`HPARAMS` are learning rates chosen on validation."""
+    cell = cell_of(r)
+    return (cell.records_per_user == 1 and cell.personal == "fc1" and cell.coupling == "decoupled"
+            and not (cell.ema_decay or cell.user_batch or cell.finetune_epochs or cell.augment
+                     or cell.release != "seeded"))
+
+
+def _rates_text(r: dict[str, str]) -> str:
+    cell = cell_of(r)
+    rates = f"lr {cell.learning_rate:g}" + (f", plr {cell.personal_learning_rate:g}" if cell.method == "joint-dp" else "")
+    return rates + ("" if _overridden(r) else ", HPARAMS")
+
+
+def _at_chosen_rates(rows: list[dict[str, str]], n: int, trust: str, method: str, epsilon: float,
+                     fallback: bool = True) -> dict[str, str] | None:
+    """The latest of ``rows`` for this point run at learning rates chosen on
+    validation; with ``fallback``, else its latest HPARAMS row (None if neither)."""
+    same = [r for r in rows if int(r["owners"]) == n and r["trust"] == trust and r["method"] == method
+            and float(r["epsilon"]) == epsilon and _rates_only(r)]
+    chosen = [r for r in same if _overridden(r)] or (same if fallback else [])
+    return chosen[-1] if chosen else None
+
+
+def validated_rate_points(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]],
+                          rule_rows: list[dict[str, str]] = (), runs: Path | None = None) -> str:
+    """Figure 1 points run at learning rates chosen on validation: one line per
+    (n, trust, epsilon) where ``figure1.csv`` has such a row, joint DP and full DP side
+    by side with their rates, their difference and, with ``runs``, joint DP minus
+    full DP paired by seed. Each method's point is its latest row at chosen rates
+    (``table1.csv`` and ``table1_personal.csv`` give epsilon = 1, marked "T1"), or
+    its HPARAMS row where it has none (a method whose validation kept HPARAMS' rates)."""
+    t1_like = list(t1_rows) + list(rule_rows)
+    rows = t1_like + list(fig_rows)
+    keys = sorted({(int(r["owners"]), r["trust"]) for r in fig_rows if _overridden(r) and _rates_only(r)})
+    lines = ["| n | trust | ε | joint DP (rates) | full DP (rates) | joint − full | joint − full, paired by seed |",
+             "|" + "---|" * 7]
+    for n, trust in keys:
+        eps = sorted({float(r["epsilon"]) for r in rows if int(r["owners"]) == n and r["trust"] == trust
+                      and r["method"] in ("joint-dp", "full-dp") and _overridden(r) and _rates_only(r)})
+        for e in eps:
+            got = {m: _at_chosen_rates(rows, n, trust, m, e) for m in ("joint-dp", "full-dp")}
+            cells = [f"{_fmt(r)}{' T1' if any(r is t for t in t1_like) else ''}, {_rates_text(r)}" if r else "not run"
+                     for r in (got["joint-dp"], got["full-dp"])]
+            both = got["joint-dp"] and got["full-dp"]
+            diff = f"{float(got['joint-dp']['acc_mean']) - float(got['full-dp']['acc_mean']):+.4f}" if both else ""
+            paired = paired_difference(runs, got["joint-dp"], got["full-dp"]) if runs and both else ""
+            lines.append(f"| {n} | {trust} | {e:g} | {cells[0]} | {cells[1]} | {diff} | {paired} |")
+    return "\n".join(lines)
+
+
 def legend_handles(axes) -> dict[str, object]:
     """One handle per label over all panels, in first-drawn order, so the single
     legend names every curve even when the first panel lacks some of them."""
@@ -410,8 +462,12 @@ def legend_handles(axes) -> dict[str, object]:
     return handles
 
 
-def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path: Path) -> bool:
-    """Accuracy vs epsilon per n; returns False when there is nothing to draw."""
+def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path: Path,
+            rule_rows: list[dict[str, str]] = ()) -> bool:
+    """Accuracy vs epsilon per n; returns False when there is nothing to draw. Where
+    ``figure1.csv`` has points at learning rates chosen on validation, their curve is
+    drawn dash-dotted beside the HPARAMS one (epsilon = 1 from ``table1.csv`` or
+    ``rule_rows``, the rows of ``table1_personal.csv``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -431,6 +487,16 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
                 ax.errorbar(eps, [a for _, (a, _) in pts], yerr=[s for _, (_, s) in pts],
                             marker="o" if trust == "local" else "s",
                             color=color, ls=style, label=f"{method} ({trust})", capsize=3)
+        for (method, trust), (color, _) in _CURVES.items():
+            if not any(int(r["owners"]) == n and r["method"] == method and r["trust"] == trust
+                       and _overridden(r) and _rates_only(r) for r in fig_rows):
+                continue
+            rows = list(t1_rows) + list(rule_rows) + list(fig_rows)
+            chosen = [r for e in sorted({float(r["epsilon"]) for r in rows})
+                      if (r := _at_chosen_rates(rows, n, trust, method, e, fallback=False))]
+            ax.errorbar([float(r["epsilon"]) for r in chosen], [float(r["acc_mean"]) for r in chosen],
+                        yerr=[float(r["acc_std"]) for r in chosen], marker="^", color=color, ls="-.",
+                        label=f"{method} ({trust}, rates chosen on validation)", capsize=3)
         silo = [float(r["acc_mean"]) for r in t1_rows + fig_rows
                 if int(r["owners"]) == n and r["method"] == "per-silo"]
         if silo:
@@ -485,6 +551,7 @@ def main() -> int:
     f1 = read_rows(res / "figure1.csv")
     t2 = read_rows(res / "table2.csv")
     t4 = read_rows(res / "table4.csv")
+    rule_rows = read_rows(res / "table1_personal.csv")
     parts = []
     if t1:
         parts += ["### Table 1 (ε = 1, δ = 1e-4)", table1(t1),
@@ -496,7 +563,11 @@ def main() -> int:
     if f1:
         parts += ["### Figure 1 points (record level, FC1 personal; T1: the Table 1 cell at ε = 1)",
                   figure1_points(f1, t1, res / "runs")]
-        figure1(f1, t1, res / "figure1.png")
+        figure1(f1, t1, res / "figure1.png", rule_rows)
+        if any(_overridden(r) and _rates_only(r) for r in f1):
+            parts += ["### Figure 1 points at learning rates chosen on validation (record level, FC1 personal; "
+                      "T1: the ε = 1 cell of `table1.csv` or `table1_personal.csv`)",
+                      validated_rate_points(f1, t1, rule_rows, res / "runs")]
     if t2:
         parts += ["### Table 2 (which layers are personal; n = 128, ε = 1, δ = 1e-4; FC2 always shared)",
                   table2(t2)]
@@ -507,7 +578,6 @@ def main() -> int:
     if samples:
         parts += ["### Memory of the simulation (summed PSS of Ray's and Flower's processes, "
                   "sampled every few seconds by `simulation_memory.py`)", memory(samples)]
-    rule_rows = read_rows(res / "table1_personal.csv")
     if rule_rows:
         parts += ["### Joint DP with settings chosen on validation (more layers personal, personal "
                   "learning rate, moving average, adaptation to the owner's records, translated training images; ε = 1, δ = 1e-4; "
