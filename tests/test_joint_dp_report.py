@@ -504,7 +504,7 @@ def test_validated_rate_points_pair_each_method_at_its_chosen_rates(tmp_path):
     assert len(report.validated_rate_points(fig[:2], t1, rules).splitlines()) == 2
 
 
-def test_figure1_draws_the_chosen_rate_curve_only_where_figure1_has_such_points(tmp_path):
+def test_figure1_draws_the_chosen_rate_curve_only_where_figure1_has_such_points(tmp_path, monkeypatch):
     """The dash-dotted curve at validation-chosen rates joins the epsilon = 1 cell of
     table1_personal.csv to figure1.csv's points; a panel without them has none."""
     import matplotlib
@@ -531,11 +531,8 @@ def test_figure1_draws_the_chosen_rate_curve_only_where_figure1_has_such_points(
         drawn["axes"] = axes[0]
         return f, axes
 
-    plt.subplots = spy
-    try:
-        assert report.figure1(fig, [], tmp_path / "figure1.png", rules)
-    finally:
-        plt.subplots = real_subplots
+    monkeypatch.setattr(plt, "subplots", spy)
+    assert report.figure1(fig, [], tmp_path / "figure1.png", rules)
     small, large = drawn["axes"]
     label = "joint-dp (central, rates chosen on validation)"
     assert label not in small.get_legend_handles_labels()[1]

@@ -409,6 +409,11 @@ def _rates_only(r: dict[str, str]) -> bool:
                      or cell.release != "seeded"))
 
 
+def _at_rates_chosen(r: dict[str, str]) -> bool:
+    """True if row ``r`` is a Figure 1 cell run at learning rates chosen on validation."""
+    return _overridden(r) and _rates_only(r)
+
+
 def _rates_text(r: dict[str, str]) -> str:
     cell = cell_of(r)
     rates = f"lr {cell.learning_rate:g}" + (f", plr {cell.personal_learning_rate:g}" if cell.method == "joint-dp" else "")
@@ -421,7 +426,7 @@ def _at_chosen_rates(rows: list[dict[str, str]], n: int, trust: str, method: str
     validation; with ``fallback``, else its latest HPARAMS row (None if neither)."""
     same = [r for r in rows if int(r["owners"]) == n and r["trust"] == trust and r["method"] == method
             and float(r["epsilon"]) == epsilon and _rates_only(r)]
-    chosen = [r for r in same if _overridden(r)] or (same if fallback else [])
+    chosen = [r for r in same if _at_rates_chosen(r)] or (same if fallback else [])
     return chosen[-1] if chosen else None
 
 
@@ -435,12 +440,12 @@ def validated_rate_points(fig_rows: list[dict[str, str]], t1_rows: list[dict[str
     its HPARAMS row where it has none (a method whose validation kept HPARAMS' rates)."""
     t1_like = list(t1_rows) + list(rule_rows)
     rows = t1_like + list(fig_rows)
-    keys = sorted({(int(r["owners"]), r["trust"]) for r in fig_rows if _overridden(r) and _rates_only(r)})
+    keys = sorted({(int(r["owners"]), r["trust"]) for r in fig_rows if _at_rates_chosen(r)})
     lines = ["| n | trust | ε | joint DP (rates) | full DP (rates) | joint − full | joint − full, paired by seed |",
              "|" + "---|" * 7]
     for n, trust in keys:
         eps = sorted({float(r["epsilon"]) for r in rows if int(r["owners"]) == n and r["trust"] == trust
-                      and r["method"] in ("joint-dp", "full-dp") and _overridden(r) and _rates_only(r)})
+                      and r["method"] in ("joint-dp", "full-dp") and _at_rates_chosen(r)})
         for e in eps:
             got = {m: _at_chosen_rates(rows, n, trust, m, e) for m in ("joint-dp", "full-dp")}
             cells = [f"{_fmt(r)}{' T1' if any(r is t for t in t1_like) else ''}, {_rates_text(r)}" if r else "not run"
@@ -489,7 +494,7 @@ def figure1(fig_rows: list[dict[str, str]], t1_rows: list[dict[str, str]], path:
                             color=color, ls=style, label=f"{method} ({trust})", capsize=3)
         for (method, trust), (color, _) in _CURVES.items():
             if not any(int(r["owners"]) == n and r["method"] == method and r["trust"] == trust
-                       and _overridden(r) and _rates_only(r) for r in fig_rows):
+                       and _at_rates_chosen(r) for r in fig_rows):
                 continue
             rows = list(t1_rows) + list(rule_rows) + list(fig_rows)
             chosen = [r for e in sorted({float(r["epsilon"]) for r in rows})
@@ -564,7 +569,7 @@ def main() -> int:
         parts += ["### Figure 1 points (record level, FC1 personal; T1: the Table 1 cell at ε = 1)",
                   figure1_points(f1, t1, res / "runs")]
         figure1(f1, t1, res / "figure1.png", rule_rows)
-        if any(_overridden(r) and _rates_only(r) for r in f1):
+        if any(_at_rates_chosen(r) for r in f1):
             parts += ["### Figure 1 points at learning rates chosen on validation (record level, FC1 personal; "
                       "T1: the ε = 1 cell of `table1.csv` or `table1_personal.csv`)",
                       validated_rate_points(f1, t1, rule_rows, res / "runs")]
