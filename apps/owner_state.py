@@ -34,6 +34,7 @@ from flwr_jdp.data.partition import OwnerData, load_partitions
 from flwr_jdp.models import build_model
 from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.mechanisms import torch_generator
+from flwr_jdp.privacy.owner_guard import AgreedRelease, OwnerLedger
 
 
 def personal_key(owner_id: int) -> str:
@@ -218,6 +219,36 @@ def trained_rounds(context: Context, owner_id: int, session: str = "") -> int:
         _restore_from_disk(session, context, owner_id)
     meta = f"{personal_key(owner_id)}.meta"
     return int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
+
+
+def _ledger_file(session: str, context: Context, owner_id: int) -> Path | None:
+    """Node-local file of one owner's own privacy ledger, if the node keeps a state-dir."""
+    personal = _state_file(session, context, owner_id)
+    return None if personal is None else personal.with_name(f"ledger-{int(owner_id)}.json")
+
+
+def load_owner_ledger(context: Context, owner_id: int, session: str, agreed: AgreedRelease,
+                      unit: str) -> OwnerLedger:
+    """The owner's own record of its releases: ``context.state`` (every release of
+    this Flower run, whatever session the server names), else the node's
+    ``state-dir`` for this session (after a restart), else empty."""
+    key = f"ledger.{int(owner_id)}"
+    text = None
+    if key in context.state:
+        text = str(context.state[key]["state"])
+    else:
+        path = _ledger_file(session, context, owner_id)
+        if path is not None and path.is_file():
+            text = path.read_text()
+    return OwnerLedger.from_json(text, agreed, unit)
+
+
+def save_owner_ledger(context: Context, owner_id: int, session: str, ledger: OwnerLedger) -> None:
+    """Keep the owner's ledger in ``context.state`` and on the node's disk."""
+    context.state[f"ledger.{int(owner_id)}"] = ConfigRecord({"state": ledger.to_json()})
+    path = _ledger_file(session, context, owner_id)
+    if path is not None:
+        ledger.save(path)
 
 
 def owner_generator(cfg: JobConfig, server_round: int, owner_id: int) -> torch.Generator:

@@ -237,6 +237,8 @@ class DPMeanRegularizedMTL(Strategy):
         result = Result()
         event = self.release.event()
         charged = {int(r["round"]) for r in self.ledger.rounds}
+        if first == 1 and not self.history:
+            self._save(time.time() - t0)  # resumable from round 1 on (results.json exists)
         for rnd in range(first, self.cfg.rounds + 1):
             t_round = time.time()
             if self.cfg.private and rnd not in charged:

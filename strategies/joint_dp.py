@@ -13,10 +13,13 @@ Noise placement
     adds Gaussian noise once to their sum and divides by the expected count. The
     ledger has one ``server`` scope.
 
-Accounting is conservative: a round's events are recorded *before* the owners
-train, so a round whose replies are dropped or skipped is still charged. If the
-next round would exceed the budget, training stops cleanly, keeping the last model
-and the ledger on disk.
+Accounting is conservative: charge, save, release. A round's events are recorded
+and the ledger written to disk *before* any message of the round leaves the server,
+so a round whose replies are dropped or skipped is still charged, and so is a round
+interrupted by a crash (its re-run after a restart is charged again). If the next
+round would exceed the budget, training stops cleanly, keeping the last model and
+the ledger on disk. Under local noise the owners also check each instruction and
+keep their own ledgers (:mod:`flwr_jdp.privacy.owner_guard`).
 """
 
 from __future__ import annotations
@@ -377,6 +380,10 @@ class JointDP(Strategy):
                 self.ema.restore(*saved)
             log(INFO, "Resuming from %s after round %d (epsilon %.4f spent)",
                 cfg.results_dir, start_round - 1, self.ledger.epsilon())
+            interrupted = [r["round"] for r in self.ledger.rounds if r["round"] >= start_round]
+            if interrupted:
+                log(WARNING, "Round %d was charged before the restart and its owners may have "
+                    "released; its charge stands and its re-run is charged again", interrupted[-1])
         self.summary()
         result = Result()
         result.arrays = arrays
@@ -389,6 +396,10 @@ class JointDP(Strategy):
                 log(WARNING, "Stopping before round %d: privacy budget exhausted (%s)", rnd, err)
                 status = "budget-exhausted"
                 break
+            # Charge, save, release: the round's charge is on disk before any of its
+            # messages leaves the server, so a crash from here on cannot un-charge it.
+            ckpt.save(arrays, self.ledger, history, self.noise_multiplier, "running",
+                      self._summary(history, t0), ema=self._ema_state())
             replies = grid.send_and_receive(messages, timeout=timeout)
             new_arrays, train_metrics = self.aggregate_train(rnd, replies)
             if new_arrays is not None:
@@ -446,6 +457,7 @@ class JointDP(Strategy):
         last = history[-1] if history else {}
         return {
             "rounds_completed": len(history),
+            "rounds_charged": len(self.ledger.rounds),
             "final_accuracy": last.get("accuracy"),
             "final_epsilon": self.ledger.epsilon() if self.cfg.dp else 0.0,
             "num_owners": len(self.owner_node),

@@ -25,7 +25,8 @@ initialisation and one epoch, and the ledger keeps one scope per group):
   population MSE with local final ``v_j`` (a synthetic-benchmark metric from
   the ground truth, not covered by DP).
 
-Every release is charged to the ledger before the nodes are asked; a node whose
+Every release is charged to the ledger, and the ledger written to ``results-dir``,
+before the nodes are asked (charge, save, release); a node whose
 reply is missing or malformed is dropped with a logged reason (its users are
 simply absent from that sum, which the sensitivity already covers).
 """
@@ -178,8 +179,9 @@ class PrivAltMin(Strategy):
         arrays = ArrayRecord([np.zeros((self.spec.dim, self.spec.rank))])
         for rnd in range(0, self.cfg.epochs + 1):
             t_round = time.time()
-            if self.cfg.private:  # charged before the nodes are asked
+            if self.cfg.private:  # charge, save, then release
                 self._charge(rnd, events)
+                self._save(time.time() - t0, status="running")
             replies = grid.send_and_receive(
                 self.configure_train(rnd, arrays, ConfigRecord(), grid), timeout=timeout)
             arrays, train_metrics = self.aggregate_train(rnd, replies)
@@ -195,7 +197,7 @@ class PrivAltMin(Strategy):
                 "(target %s) at delta %.3g | %.1fs", rnd, self.cfg.epochs, mse, row["users"], eps,
                 self.cfg.target_epsilon, self.cfg.delta, row["seconds"])
         result.arrays = arrays
-        self._save(time.time() - t0)
+        self._save(time.time() - t0, status="completed")
         return result
 
     def _charge(self, rnd: int, events: list) -> None:
@@ -214,9 +216,10 @@ class PrivAltMin(Strategy):
             for event in events[1:3]:
                 self.ledger.record(f"group/{rnd - 1}", event)
 
-    def results(self, wall_seconds: float = float("nan")) -> dict:
+    def results(self, wall_seconds: float = float("nan"), status: str = "completed") -> dict:
         last = self.history[-1] if self.history else {}
         return {
+            "status": status,
             "method": "priv-altmin" if self.cfg.private else "nonprivate-altmin",
             "final_mse": last.get("mse"),
             "epsilon": self.ledger.epsilon() if self.cfg.private else math.inf,
@@ -231,14 +234,19 @@ class PrivAltMin(Strategy):
             "wall_seconds": wall_seconds,
         }
 
-    def _save(self, wall_seconds: float) -> None:
+    def _save(self, wall_seconds: float, status: str) -> None:
+        """Write the ledger (first), then results and the embedding. Called after
+        every charge (``running``, before the nodes are asked) and at the end."""
         if self.results_dir is None:
             return
         self.results_dir.mkdir(parents=True, exist_ok=True)
-        (self.results_dir / "results.json").write_text(json.dumps(self.results(wall_seconds), indent=1))
         self.ledger.save(self.results_dir / "ledger.json")
-        np.savez(self.results_dir / "embedding.npz", embedding=self.embedding)
-        log(INFO, "Finished: results in %s", self.results_dir)
+        (self.results_dir / "results.json").write_text(
+            json.dumps(self.results(wall_seconds, status), indent=1))
+        if self.embedding is not None:
+            np.savez(self.results_dir / "embedding.npz", embedding=self.embedding)
+        if status != "running":
+            log(INFO, "Finished: results in %s", self.results_dir)
 
 
 __all__ = ["PrivAltMin"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from logging import INFO, WARNING
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -47,13 +48,19 @@ class DifferentialPrivacyWinsorizedMean(Strategy):
     winsorized private mean of the clients' updates."""
 
     def __init__(self, strategy: Strategy, estimator: WinsorizedMean, num_sampled_clients: int, *,
-                 ledger: PrivacyLedger | None = None, noise_seed: int = -1) -> None:
+                 ledger: PrivacyLedger | None = None, ledger_path: str | Path | None = None,
+                 noise_seed: int = -1) -> None:
         super().__init__()
         if num_sampled_clients <= 0:
             raise ValueError(f"num_sampled_clients must be > 0, got {num_sampled_clients}")
         self.strategy, self.estimator = strategy, estimator
         self.num_sampled_clients = num_sampled_clients
         self.ledger = ledger
+        #: Where the ledger is written after each charge, before the round's
+        #: messages are returned to Flower's loop (charge, save, release).
+        self.ledger_path = Path(ledger_path) if ledger_path else None
+        if self.ledger_path is not None and self.ledger is None:
+            raise ValueError("ledger_path needs a ledger")
         self.rng = numpy_rng(None if noise_seed < 0 else noise_seed)
         self.current_arrays = ArrayRecord()
         self.dropped: list[str] = []
@@ -84,6 +91,8 @@ class DifferentialPrivacyWinsorizedMean(Strategy):
                     f"round {server_round} would exceed epsilon {self.ledger.budget} "
                     f"(spent {self.ledger.epsilon():.4f} at delta {self.ledger.delta})")
             self.ledger.record_round(server_round, planned, note="winsorized mean (range + mean)")
+            if self.ledger_path is not None:
+                self.ledger.save(self.ledger_path)
         return messages
 
     def _drop(self, reply: Message, reason: str) -> None:

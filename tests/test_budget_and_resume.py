@@ -1,10 +1,12 @@
 """Budget exhaustion stops cleanly; a restarted server resumes the ledger."""
 
+import json
+
 import pytest
 from flwr_jdp.strategies import load_results
 
 from flwr_jdp.config import parse_config
-from flwr_jdp.privacy.ledger import PrivacyLedger
+from flwr_jdp.privacy.ledger import PrivacyLedger, owner_scope
 
 from .helpers import Killed, kill_after_trains, run_inprocess
 
@@ -29,23 +31,45 @@ def test_calibrated_run_meets_target(run_config):
     assert strategy.noise_multiplier > 0
 
 
-def test_restart_resumes_epsilon_not_reset(run_config, tmp_path):
-    # uninterrupted reference
-    ref = dict(run_config, **{"results-dir": str(tmp_path / "ref"), "num-rounds": 3})
+def test_restart_keeps_the_charge_of_the_interrupted_round(run_config, tmp_path):
+    """Charge, save, release: the server is killed in round 3 after one node has
+    trained (its owners released), before the round ends. The ledger on disk already
+    charges round 3; the resumed run keeps that charge and charges the re-run of
+    round 3 again, so every release any owner made is charged: the server's ledger
+    equals an uninterrupted 4-round run's, and for every owner it charges at least
+    the releases the owner recorded in its own ledger."""
+    ref = dict(run_config, **{"results-dir": str(tmp_path / "ref"), "num-rounds": 4})
     run_inprocess(ref)
-    eps_ref = load_results(ref["results-dir"])["epsilon"]
+    eps_four_rounds = load_results(ref["results-dir"])["epsilon"]
 
-    # killed during round 3's training, then restarted with the same config
     cfg = dict(run_config, **{"num-rounds": 3})
+    nodes = {"state-dir": str(tmp_path / "node-state")}
     with pytest.raises(Killed):
-        run_inprocess(cfg, fault=kill_after_trains(4))
+        run_inprocess(cfg, fault=kill_after_trains(4), node_config=nodes)
     mid = load_results(cfg["results-dir"])
     assert mid["status"] == "running" and mid["rounds_completed"] == 2
-    run_inprocess(cfg)
+    on_disk = PrivacyLedger.load(f"{cfg['results-dir']}/ledger.json")
+    assert [r["round"] for r in on_disk.rounds] == [1, 2, 3]  # charged before the crash
+    assert mid["rounds_charged"] == 3
+    session = mid["session"]
+    released = {o: len(_owner_ledger(tmp_path, session, o)["rounds"]) for o in range(4)}
+    assert sorted(released.values()) == [2, 2, 3, 3]  # node 0's owners released round 3
+
+    run_inprocess(cfg, node_config=nodes)
     res = load_results(cfg["results-dir"])
-    assert res["status"] == "completed" and res["rounds_completed"] == 3
-    assert res["epsilon"] == pytest.approx(eps_ref, rel=1e-9)
-    assert [r["round"] for r in res["history"]] == [1, 2, 3]
+    assert res["status"] == "completed" and [r["round"] for r in res["history"]] == [1, 2, 3]
+    ledger = PrivacyLedger.load(f"{cfg['results-dir']}/ledger.json")
+    assert [r["round"] for r in ledger.rounds] == [1, 2, 3, 3]
+    assert res["epsilon"] == pytest.approx(eps_four_rounds, rel=1e-9)
+    for o in range(4):
+        own = _owner_ledger(tmp_path, session, o)
+        assert len(own["rounds"]) == released[o] + 1
+        assert sum(c for _, c in ledger.scopes[owner_scope(o)]) >= sum(c for _, c in own["scopes"]["self"])
+        assert own["epsilon"] <= ledger.scope_epsilon(owner_scope(o)) * (1 + 1e-9)
+
+
+def _owner_ledger(tmp_path, session, owner):
+    return json.loads((tmp_path / "node-state" / session / f"ledger-{owner}.json").read_text())
 
 
 def test_restart_reuses_personal_state_kept_on_the_nodes_disk(run_config, tmp_path):
@@ -56,7 +80,7 @@ def test_restart_reuses_personal_state_kept_on_the_nodes_disk(run_config, tmp_pa
     with pytest.raises(Killed):
         run_inprocess(cfg, fault=kill_after_trains(4), node_config=nodes)
     session = load_results(cfg["results-dir"])["session"]
-    assert sorted(p.name for p in (tmp_path / "node-state" / session).iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "node-state" / session).glob("personal-*")) == [
         f"personal-{o}.npz" for o in range(4)]
     _, grid, _ = run_inprocess(cfg, node_config=nodes)  # fresh contexts, same disk
     res = load_results(cfg["results-dir"])
