@@ -77,7 +77,7 @@ def init_stats(msg: Message, context: Context) -> Message:
     _, cfg, _ = parse_altmin_config(context.run_config)
     m = spec.samples_per_user
     total = init_statistic(users, cfg.zeta, cfg.init_clip(m), cfg.split()) if len(users) else np.zeros((spec.dim, spec.dim))
-    return _reply(msg, {"m": total}, {"num-users": len(users), "clipped": 0})
+    return _reply(msg, {"m": total}, {"num-users": len(users)})
 
 
 @client.train()
@@ -88,9 +88,10 @@ def epoch_stats(msg: Message, context: Context) -> Message:
     epoch = int(msg.content[CONFIG]["epoch"]) - 1
     dk = spec.dim * spec.rank
     if not len(users):
-        return _reply(msg, {"a": np.zeros((dk, dk)), "b": np.zeros(dk)}, {"num-users": 0, "clipped": 0})
+        return _reply(msg, {"a": np.zeros((dk, dk)), "b": np.zeros(dk)}, {"num-users": 0})
     sums = client_statistics(users, _embedding(msg), cfg, epoch, spec.num_users)
-    return _reply(msg, {"a": sums.a, "b": sums.b}, {"num-users": sums.count, "clipped": sums.clipped})
+    # how many users were clipped is data-dependent and not DP: it is not sent
+    return _reply(msg, {"a": sums.a, "b": sums.b}, {"num-users": sums.count})
 
 
 @client.evaluate()

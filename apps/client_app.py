@@ -15,7 +15,7 @@ once per broadcast (at evaluation or at the next round, whichever comes first); 
 
 from __future__ import annotations
 
-from logging import DEBUG, WARNING
+from logging import WARNING
 
 import torch
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -24,15 +24,14 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from flwr_jdp import protocol
-from flwr_jdp.config import JobConfig
-from flwr_jdp.privacy.owner_guard import Instruction, InstructionRefused, agreed_release
+from flwr_jdp.owner_store import charge_owners, read_instructions
+from flwr_jdp.privacy.owner_guard import InstructionRefused
 from flwr_jdp.privacy.schedule import OwnerSize
-from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
+from flwr_jdp.privacy.units import PrivacyUnit
 from flwr_jdp.training import OwnerPlan, adapted_model, evaluate, fit_personal, train_owner_round
 from flwr_jdp.training.dp_sgd import preload_opacus
 
 from .owner_state import (
-    load_owner_ledger,
     load_owner_model,
     my_owners,
     node_job_config,
@@ -41,7 +40,6 @@ from .owner_state import (
     owner_generator,
     personal_fit_on,
     public_personal,
-    save_owner_ledger,
     save_personal,
     shared_arrays,
     shared_digest,
@@ -82,53 +80,6 @@ def setup(msg: Message, context: Context) -> Message:
     return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
 
 
-def _instructions(cfg: JobConfig, cfg_rec: ConfigRecord, owners: list[int]) -> dict[int, Instruction]:
-    """Each requested owner's instruction, read strictly: under DP every key must be
-    there, one value per owner (a missing key is refused, never defaulted)."""
-    if not cfg.dp:
-        return {o: Instruction(int(cfg_rec.get(protocol.ROUND, 0)), 1.0, 1, 0.0) for o in owners}
-    missing = [k for k in (protocol.ROUND, protocol.OWNERS, protocol.SAMPLE_RATES, protocol.STEPS,
-                           protocol.NOISE_MULTIPLIER, protocol.SESSION) if k not in cfg_rec]
-    if missing:
-        raise InstructionRefused(f"the train instruction lacks {missing}")
-    wanted = [int(o) for o in cfg_rec[protocol.OWNERS]]
-    rates, steps = list(cfg_rec[protocol.SAMPLE_RATES]), list(cfg_rec[protocol.STEPS])
-    if not len(rates) == len(steps) == len(wanted):
-        raise InstructionRefused(f"{len(wanted)} owners but {len(rates)} sampling rates and "
-                                 f"{len(steps)} step counts")
-    z = float(cfg_rec[protocol.NOISE_MULTIPLIER])
-    rnd = int(cfg_rec[protocol.ROUND])
-    by_owner = {o: Instruction(rnd, float(q), int(n), z) for o, q, n in zip(wanted, rates, steps)}
-    return {o: by_owner[o] for o in owners}
-
-
-def _charge_owners(cfg: JobConfig, context: Context, data, instructions: dict[int, Instruction],
-                   session: str) -> None:
-    """Local noise: every owner checks its instruction against what it agreed to and
-    against its own ledger, then records the release in its ledger and saves it,
-    before anything is trained. Any refusal refuses the whole message (nothing is
-    recorded, trained or sent)."""
-    if not (cfg.dp and cfg.placement is NoisePlacement.LOCAL):
-        return
-    cap = context.node_config.get("max-epsilon")
-    reasons, ledgers = [], {}
-    for o, instruction in instructions.items():
-        size = OwnerSize(len(data[o].y_train), data[o].num_users)
-        agreed = agreed_release(cfg, size, None if cap is None else float(cap))
-        reason = agreed.check(instruction)
-        ledger = load_owner_ledger(context, o, session, agreed, cfg.privacy_unit)
-        event = agreed.event(instruction)
-        reason = reason or ledger.check(event)
-        if reason:
-            reasons.append(f"owner {o}: {reason}")
-        ledgers[o] = (ledger, event)
-    if reasons:
-        raise InstructionRefused("; ".join(reasons))
-    for o, (ledger, event) in ledgers.items():
-        ledger.record(instructions[o].server_round, event, note=f"session {session}")
-        save_owner_ledger(context, o, session, ledger)
-
-
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train every requested owner hosted here; reply with shared releases only.
@@ -143,8 +94,9 @@ def train(msg: Message, context: Context) -> Message:
     data = owner_data(cfg)
     owners = _requested(msg, my_owners(cfg, context))
     try:
-        instructions = _instructions(cfg, cfg_rec, owners)
-        _charge_owners(cfg, context, data, instructions, session)
+        instructions = read_instructions(cfg, cfg_rec, owners)
+        charge_owners(cfg, context, {o: OwnerSize(len(data[o].y_train), data[o].num_users) for o in owners},
+                      instructions, session)
     except InstructionRefused as err:
         log(WARNING, "Refused the train instruction (nothing trained or sent): %s", err)
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
@@ -162,9 +114,8 @@ def train(msg: Message, context: Context) -> Message:
             if personal_fit_on(context, o, session) != digest:
                 fit_personal(model, split, data[o], cfg, generator)
             public = public_personal(cfg, data[o])
-        release, loss = train_owner_round(model, split, data[o], cfg, plan, generator, public)
+        release, _ = train_owner_round(model, split, data[o], cfg, plan, generator, public)  # loss: not sent
         save_personal(context, o, model, split, session, fit_on=digest)
-        log(DEBUG, "owner %d round %d: local train loss %.4f (not sent)", o, instruction.server_round, loss)
         reply[protocol.owner_key(o)] = protocol.to_record(
             {name: release[name] for name in split.shared}  # shared names only
         )

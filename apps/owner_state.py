@@ -17,14 +17,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import hashlib
-import os
-import tempfile
-from pathlib import Path
 
 import numpy as np
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import Context
 from torch import nn
 
 from flwr_jdp import protocol
@@ -32,14 +27,20 @@ from flwr_jdp.config import JobConfig, parse_config
 from flwr_jdp.data.datasets import load_dataset
 from flwr_jdp.data.partition import OwnerData, load_partitions
 from flwr_jdp.models import build_model
+from flwr_jdp.owner_store import (  # noqa: F401 - re-exported for the apps
+    SharedArrays,
+    _restore_from_disk,
+    load_owner_ledger,
+    owner_generator,
+    personal_fit_on,
+    personal_key,
+    save_owner_ledger,
+    save_personal_arrays,
+    shared_arrays,
+    shared_digest,
+    trained_rounds,
+)
 from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
-from flwr_jdp.privacy.mechanisms import torch_generator
-from flwr_jdp.privacy.owner_guard import AgreedRelease, OwnerLedger
-
-
-def personal_key(owner_id: int) -> str:
-    """``context.state`` key of one owner's personal arrays."""
-    return f"personal.{int(owner_id)}"
 
 
 def node_job_config(context: Context) -> JobConfig:
@@ -112,74 +113,6 @@ def public_personal(cfg: JobConfig, data: OwnerData) -> dict[str, np.ndarray]:
     return values
 
 
-SharedArrays = ArrayRecord | dict[str, np.ndarray] | None
-
-
-def shared_arrays(shared: SharedArrays) -> dict[str, np.ndarray]:
-    """Broadcast shared arrays by name (an ArrayRecord is deserialised once here,
-    so that a message's handler can reuse the result for every owner it hosts)."""
-    if shared is None:
-        return {}
-    if isinstance(shared, ArrayRecord):
-        return dict(zip(shared.keys(), shared.to_numpy_ndarrays(), strict=False))
-    return dict(shared)
-
-
-def shared_digest(shared: SharedArrays) -> str:
-    """Fingerprint of broadcast shared arrays (which global model personal
-    parameters were last fitted against)."""
-    h = hashlib.sha256()
-    for name, arr in shared_arrays(shared).items():
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(arr).tobytes())
-    return h.hexdigest()[:32]
-
-
-def personal_fit_on(context: Context, owner_id: int, session: str = "") -> str:
-    """Digest of the shared arrays the owner's personal parameters were last
-    fitted against ('' if never)."""
-    if personal_key(owner_id) not in context.state:
-        _restore_from_disk(session, context, owner_id)
-    meta = f"{personal_key(owner_id)}.meta"
-    if meta not in context.state:
-        return ""
-    return str(context.state[meta].get("fit-on", ""))
-
-
-def _state_file(session: str, context: Context, owner_id: int) -> Path | None:
-    """Node-local file of one owner's personal state, if the node keeps one."""
-    root = context.node_config.get("state-dir")
-    if not root or not session or not str(session).isalnum():
-        return None
-    return Path(str(root)) / str(session) / f"personal-{int(owner_id)}.npz"
-
-
-def _restore_from_disk(session: str, context: Context, owner_id: int) -> None:
-    path = _state_file(session, context, owner_id)
-    if path is None or not path.is_file():
-        return
-    meta_keys = ("__trained_rounds__", "__fit_on__")
-    with np.load(path) as npz:
-        arrays = {k: np.asarray(npz[k]) for k in npz.files if k not in meta_keys}
-        rounds = int(npz["__trained_rounds__"]) if "__trained_rounds__" in npz.files else 0
-        fit_on = str(npz["__fit_on__"]) if "__fit_on__" in npz.files else ""
-    context.state[personal_key(owner_id)] = protocol.to_record(arrays)
-    context.state[f"{personal_key(owner_id)}.meta"] = ConfigRecord(
-        {"trained-rounds": rounds, "fit-on": fit_on})
-
-
-def _save_to_disk(session: str, context: Context, owner_id: int, arrays: dict, rounds: int,
-                  fit_on: str = "") -> None:
-    path = _state_file(session, context, owner_id)
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "wb") as fh:
-        np.savez(fh, __trained_rounds__=np.int64(rounds), __fit_on__=np.str_(fit_on), **arrays)
-    os.replace(tmp, path)
-
-
 def load_owner_model(
     cfg: JobConfig, context: Context, data: OwnerData, shared: SharedArrays,
     session: str = "",
@@ -204,57 +137,7 @@ def save_personal(context: Context, owner_id: int, model: nn.Module, split: Para
     """Keep the owner's personal arrays in ``context.state`` (never sent), and on
     the node's disk if it has a ``state-dir``; count the rounds trained
     (``count_round``) and record which broadcast they were fitted on (``fit_on``)."""
-    arrays = get_arrays(model, split.personal)
-    context.state[personal_key(owner_id)] = protocol.to_record(arrays)
-    meta = f"{personal_key(owner_id)}.meta"
-    rounds = int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
-    rounds += int(count_round)
-    context.state[meta] = ConfigRecord({"trained-rounds": rounds, "fit-on": fit_on})
-    _save_to_disk(session, context, owner_id, dict(arrays), rounds, fit_on)
+    save_personal_arrays(context, owner_id, dict(get_arrays(model, split.personal)), session,
+                         fit_on=fit_on, count_round=count_round)
 
 
-def trained_rounds(context: Context, owner_id: int, session: str = "") -> int:
-    """How many rounds this owner's personal state has been trained (0: fresh)."""
-    if personal_key(owner_id) not in context.state:
-        _restore_from_disk(session, context, owner_id)
-    meta = f"{personal_key(owner_id)}.meta"
-    return int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
-
-
-def _ledger_file(session: str, context: Context, owner_id: int) -> Path | None:
-    """Node-local file of one owner's own privacy ledger, if the node keeps a state-dir."""
-    personal = _state_file(session, context, owner_id)
-    return None if personal is None else personal.with_name(f"ledger-{int(owner_id)}.json")
-
-
-def load_owner_ledger(context: Context, owner_id: int, session: str, agreed: AgreedRelease,
-                      unit: str) -> OwnerLedger:
-    """The owner's own record of its releases: ``context.state`` (every release of
-    this Flower run, whatever session the server names), else the node's
-    ``state-dir`` for this session (after a restart), else empty."""
-    key = f"ledger.{int(owner_id)}"
-    text = None
-    if key in context.state:
-        text = str(context.state[key]["state"])
-    else:
-        path = _ledger_file(session, context, owner_id)
-        if path is not None and path.is_file():
-            text = path.read_text()
-    return OwnerLedger.from_json(text, agreed, unit)
-
-
-def save_owner_ledger(context: Context, owner_id: int, session: str, ledger: OwnerLedger) -> None:
-    """Keep the owner's ledger in ``context.state`` and on the node's disk."""
-    context.state[f"ledger.{int(owner_id)}"] = ConfigRecord({"state": ledger.to_json()})
-    path = _ledger_file(session, context, owner_id)
-    if path is not None:
-        ledger.save(path)
-
-
-def owner_generator(cfg: JobConfig, server_round: int, owner_id: int) -> torch.Generator:
-    """Randomness for sampling and noise: OS CSPRNG unless ``noise-seed`` is set."""
-    seed = cfg.noise_seed_or_none
-    if seed is not None:
-        digest = hashlib.sha256(f"{seed}/{server_round}/{owner_id}".encode()).digest()
-        seed = int.from_bytes(digest[:8], "little") >> 1
-    return torch_generator(seed)

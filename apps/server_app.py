@@ -6,6 +6,7 @@ run-config key and its allowed range.
 
 from __future__ import annotations
 
+import logging
 from logging import ERROR
 
 from flwr.app import Context
@@ -21,6 +22,9 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run joint-DP training as configured in ``[tool.flwr.app.config]``."""
+    # Flower prints through its own handler; a root handler that a library installed
+    # would print every line a second time.
+    logging.getLogger("flwr").propagate = False
     try:
         cfg = parse_config(context.run_config)
     except ConfigError as err:

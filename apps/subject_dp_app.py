@@ -119,7 +119,8 @@ def train(msg: Message, context: Context) -> Message:
         seed = None if cfg.noise_seed < 0 else cfg.noise_seed * 1_000_003 + rnd * 1009 + int(i)
         train_silo_round(model, sd.silo_data(cfg, int(i)), plan, torch_generator(seed), stats)
         content[silo_key(int(i))] = ArrayRecord({k: Array(v) for k, v in model_arrays(model).items()})
-    content[STATS] = ArrayRecord({"group_sizes": Array(np.asarray(stats.group_sizes, dtype=np.int64)),
-                                  "distinct_subjects": Array(np.asarray(stats.distinct_subjects,
-                                                                        dtype=np.int64))})
+    if cfg.report_batch_stats:  # reproduction flag: data-dependent, not DP (off by default)
+        content[STATS] = ArrayRecord({
+            "group_sizes": Array(np.asarray(stats.group_sizes, dtype=np.int64)),
+            "distinct_subjects": Array(np.asarray(stats.distinct_subjects, dtype=np.int64))})
     return Message(content, reply_to=msg)

@@ -22,7 +22,7 @@ from .config import FINETUNE_LEARNING_RATE, RELEASE_PERSONAL
 from .data.partition import VALIDATION_SOURCES
 from .privacy import events as ev
 from .privacy.accountants import ACCOUNTANTS, epsilon
-from .privacy.calibration import calibrate
+from .privacy.calibration import calibrate, pld_grid
 
 
 def _positive(kind):
@@ -58,27 +58,33 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--sample-rate", type=_rate, required=True, help="Poisson sampling rate q in (0, 1]")
         p.add_argument("--steps", type=_positive(int), required=True, help="number of noisy steps T")
         p.add_argument("--delta", type=_delta, required=True, help="delta in (0, 1)")
-        p.add_argument("--accountant", choices=ACCOUNTANTS, default="pld")
+        p.add_argument("--accountant", choices=ACCOUNTANTS, default="pld",
+                       help="pld (dp-accounting's privacy-loss distributions, default) or rdp")
 
     p_eps = sub.add_parser("epsilon", help="epsilon of DP-SGD")
-    p_eps.add_argument("--noise-multiplier", type=_positive(float), required=True)
+    p_eps.add_argument("--noise-multiplier", type=_positive(float), required=True,
+                       help="Gaussian noise std divided by the clipping norm (z > 0)")
     common(p_eps)
     p_cal = sub.add_parser("calibrate", help="smallest noise multiplier reaching an epsilon")
-    p_cal.add_argument("--epsilon", type=_positive(float), required=True)
+    p_cal.add_argument("--epsilon", type=_positive(float), required=True,
+                       help="target epsilon (> 0) the whole run must stay within")
     common(p_cal)
 
     p_rep = sub.add_parser("reproduce", help="run one cell of a paper's experiments")
     papers = p_rep.add_subparsers(dest="paper", required=True)
     jdp = papers.add_parser("joint-dp", help="joint-DP across data owners (Tables 1, 2, 4)")
-    jdp.add_argument("--dataset", choices=("fashion-mnist", "mnist", "digits"), default="fashion-mnist")
+    jdp.add_argument("--dataset", choices=("fashion-mnist", "mnist", "digits"), default="fashion-mnist",
+                     help="data set of the owners")
     jdp.add_argument("--data-dir", default="", help="folder with the four IDX .gz files "
                      "(empty: Hugging Face through flwr-datasets)")
-    jdp.add_argument("--owners", type=_positive(int), required=True)
-    jdp.add_argument("--method", choices=("per-silo", "fedavg", "full-dp", "joint-dp"), required=True)
-    jdp.add_argument("--epsilon", type=_positive(float), default=1.0)
-    jdp.add_argument("--seeds", type=_positive(int), default=3)
+    jdp.add_argument("--owners", type=_positive(int), required=True, help="number of owners n")
+    jdp.add_argument("--method", choices=("per-silo", "fedavg", "full-dp", "joint-dp"), required=True,
+                     help="the method of the table's row")
+    jdp.add_argument("--epsilon", type=_positive(float), default=1.0, help="target epsilon of each run")
+    jdp.add_argument("--seeds", type=_positive(int), default=3, help="seeds (runs) per cell")
     jdp.add_argument("--quick", action="store_true", help="one seed")
-    jdp.add_argument("--trust", choices=("local", "central"), default="local")
+    jdp.add_argument("--trust", choices=("local", "central"), default="local",
+                     help="noise placement: local (owners noise) or central (trusted server)")
     jdp.add_argument("--records-per-user", type=_positive(int), default=1, help="m/r (user unit if > 1)")
     jdp.add_argument("--personal", default="fc1", help="personal layers: fc1, conv1, conv2, "
                      "conv1+fc1, conv2+fc1, conv1+conv2, conv1+conv2+fc1 (the paper's Table 2), "
@@ -165,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{steps} steps satisfies ({eps:.6g}, {delta:g})-DP ({acc} accountant).")
         print(f"{eps:.6f}")
         return 0
-    z = calibrate(args.epsilon, delta, lambda s: ev.dp_sgd(s, q, steps), acc)
-    reached = epsilon(ev.dp_sgd(z, q, steps), delta, acc)
+    try:
+        z = calibrate(args.epsilon, delta, lambda s: ev.dp_sgd(s, q, steps), acc)
+    except ValueError as err:
+        print(f"flwr-jdp calibrate: {err} (sample rate {q}, {steps} steps, delta {delta:g}): "
+              "raise --epsilon or lower --steps or --sample-rate", file=sys.stderr)
+        return 2
+    reached = epsilon(ev.dp_sgd(z, q, steps), delta, acc, discretization=pld_grid(args.epsilon))
     print(f"Noise multiplier {z:.6g} gives epsilon {reached:.6g} <= {args.epsilon:g} at delta "
           f"{delta:g} (sample rate {q}, {steps} steps, {acc} accountant).")
     print(f"{z:.6f}")

@@ -14,7 +14,7 @@ from typing import Any
 
 from .data.datasets import DATASETS
 from .data.partition import VALIDATION_SOURCES
-from .privacy.backends import ACCOUNTANTS
+from .privacy.backends import ACCOUNTANTS, RELATIONS
 from .privacy.units import NoisePlacement, PrivacyUnit
 
 METHODS = ("joint-dp", "full-dp", "fedavg", "per-silo")
@@ -42,7 +42,9 @@ MAX_AUGMENT_SHIFT = 8
 #: earlier run used: a stored config without the key equals one with it at this value.
 ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0, "finetune-epochs": 0,
                               "finetune-learning-rate": FINETUNE_LEARNING_RATE, "augment-shift": 0,
-                              "validation-source": "carve", "release-personal": "seeded"}
+                              "validation-source": "carve", "release-personal": "seeded",
+                              "secure-noise": False, "neighbouring": "add-remove",
+                              "max-skipped-rounds": 3}
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
@@ -95,9 +97,16 @@ class JobConfig:
     delta: float = 1e-5
     clipping_norm: float = 1.0
     accountant: str = "pld"
+    #: The neighbouring relation epsilon is stated for (:data:`RELATIONS`):
+    #: ``add-remove`` (one unit present or absent) or ``replace-one`` (one unit's data
+    #: replaced, the joint-DP paper's definition). The ledger and the calibration use it.
+    neighbouring: str = "add-remove"
     fraction_train: float = 1.0
     min_valid_fraction: float = 0.5
     round_timeout: float = 3600.0
+    #: Rounds in a row with no usable reply (every owner dropped, or the round
+    #: skipped for too few valid replies) after which the run ends as failed.
+    max_skipped_rounds: int = 3
     dataset: str = "digits"
     data_dir: str = ""
     max_records: int = 0
@@ -115,6 +124,10 @@ class JobConfig:
     resume: bool = True
     seed: int = 0
     noise_seed: int = -1
+    #: Every Gaussian noise draw of a release (and the DP-SGD Poisson sampling) straight
+    #: from the OS CSPRNG in float64, as the sum of four draws
+    #: (:func:`flwr_jdp.privacy.mechanisms.secure_gaussian`); needs ``noise-seed`` < 0.
+    secure_noise: bool = False
 
     # ----------------------------------------------------------- derived
     @property
@@ -222,7 +235,7 @@ def validate(cfg: JobConfig) -> None:
         return math.isfinite(getattr(cfg, name))
 
     need(cfg.method in METHODS, "method", f"one of {METHODS}")
-    need(cfg.num_owners >= 1, "num_owners", ">= 1")
+    need(cfg.num_owners >= 0, "num_owners", ">= 0 (0: every node that answers the set-up, drop-in apps)")
     need(cfg.num_rounds >= 1, "num_rounds", ">= 1")
     need(cfg.local_epochs >= 1, "local_epochs", ">= 1")
     need(cfg.batch_size >= 1, "batch_size", ">= 1")
@@ -249,11 +262,27 @@ def validate(cfg: JobConfig) -> None:
     need(finite("delta") and 0 < cfg.delta < 1, "delta", "in (0, 1)")
     need(finite("clipping_norm") and cfg.clipping_norm > 0, "clipping_norm", "> 0 and finite")
     need(cfg.accountant in ACCOUNTANTS, "accountant", f"one of {ACCOUNTANTS}")
+    need(cfg.neighbouring in RELATIONS, "neighbouring", f"one of {RELATIONS}")
+    if cfg.dp and cfg.accountant == "rdp" and cfg.neighbouring == "replace-one" and samples(cfg):
+        raise ConfigError(
+            "run-config keys 'accountant'='rdp' and 'neighbouring'='replace-one' cannot be combined "
+            f"when releases are Poisson-sampled (privacy-unit={cfg.privacy_unit!r}, "
+            f"noise-placement={cfg.noise_placement!r}, fraction-train={cfg.fraction_train!r}): "
+            "RDP has no replace-one bound for sampled releases; use accountant='pld'"
+        )
+    if cfg.secure_noise and cfg.noise_seed >= 0:
+        raise ConfigError(
+            "run-config keys 'secure-noise'=true and 'noise-seed'="
+            f"{cfg.noise_seed} cannot be combined: secure noise is drawn from the OS CSPRNG and "
+            "cannot be seeded; set noise-seed = -1 or secure-noise = false"
+        )
     need(finite("fraction_train") and 0 < cfg.fraction_train <= 1, "fraction_train", "in (0, 1]")
     need(finite("min_valid_fraction") and 0 <= cfg.min_valid_fraction <= 1,
          "min_valid_fraction", "in [0, 1]")
     need(finite("round_timeout") and cfg.round_timeout > 0, "round_timeout",
          "> 0 seconds (replies later than this are dropped)")
+    need(cfg.max_skipped_rounds >= 1, "max_skipped_rounds",
+         ">= 1 rounds in a row without enough valid replies before the run fails")
     need(cfg.dataset in DATASETS, "dataset", f"one of {DATASETS}")
     need(cfg.max_records >= 0, "max_records", ">= 0 (0 = all)")
     need(cfg.classes_per_owner >= 1, "classes_per_owner", ">= 1")
@@ -283,6 +312,16 @@ def validate(cfg: JobConfig) -> None:
             "run-config key 'fraction-train' must be 1.0 unless privacy-unit='owner' "
             f"(owner sampling amplifies only owner-level privacy), got {cfg.fraction_train!r}"
         )
+
+
+def samples(cfg: JobConfig) -> bool:
+    """True when the run's releases may be Poisson-sampled: the record and user units
+    (DP-SGD batches, or the server's sample), and the owner unit with central noise
+    and ``fraction-train`` < 1 (owner sampling). The owner unit with local noise, or
+    with every owner every round, releases unsampled Gaussians."""
+    if cfg.privacy_unit != "owner":
+        return True
+    return cfg.noise_placement == "central" and cfg.fraction_train < 1
 
 
 # ------------------------------------------------ other apps' dataclass configs
@@ -321,3 +360,40 @@ def build_from_run_config(cls: type, keymap: dict[str, str], run_config: dict[st
         msg = str(err)
         key = next((k for k in sorted(keymap, key=len, reverse=True) if msg.startswith(k)), None)
         raise ConfigError(f"run-config key '{key}': {msg}" if key else msg) from None
+
+
+#: Table of a user's Flower app config that holds flwr-jdp's keys:
+#: ``[tool.flwr.app.config.jdp]`` in pyproject.toml, flattened by Flower to
+#: ``jdp.<key>`` (for example ``jdp.target-epsilon``), so they never collide with the
+#: app's own keys (``learning-rate``, ``local-epochs``, ...).
+NAMESPACE = "jdp"
+
+#: Defaults of a drop-in app that differ from the project's own app.
+DROPIN_DEFAULTS: dict[str, Any] = {"num-owners": 0, "num-rounds": 3, "local-epochs": 1,
+                                   "batch-size": 32, "learning-rate": 0.1}
+
+
+def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig:
+    """A :class:`JobConfig` from the ``jdp.*`` keys of a user's run config (other
+    keys are the app's own and ignored), then keyword ``overrides`` (Python names,
+    ``target_epsilon=2.0``). An unknown ``jdp.*`` key or override fails naming it."""
+    known = {_key(f.name) for f in fields(JobConfig)}
+    prefix = f"{NAMESPACE}."
+    values = dict(DROPIN_DEFAULTS)
+    for key, value in run_config.items():
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            if name not in known:
+                raise ConfigError(f"unknown run-config key '{key}'; flwr-jdp's keys are "
+                                  f"{', '.join(prefix + k for k in sorted(known))}")
+            values[name] = value
+    for name, value in overrides.items():
+        key = _key(name)
+        if key not in known:
+            raise ConfigError(f"unknown flwr-jdp setting '{name}'; settings are "
+                              f"{', '.join(sorted(k.replace('-', '_') for k in known))}")
+        values[key] = value
+    try:
+        return parse_config(values)
+    except ConfigError as err:
+        raise ConfigError(str(err).replace("run-config key '", f"run-config key '{prefix}")) from None

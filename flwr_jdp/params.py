@@ -34,11 +34,16 @@ def split_parameters(model: nn.Module, rule: str, *, allow_empty: bool = False) 
     Raises ``ValueError`` if the rule matches no parameter or every parameter
     (unless ``allow_empty``, used by the full-DP, FedAvg and per-silo baselines).
     """
+    return split_names([n for n, _ in model.named_parameters()], rule, allow_empty=allow_empty)
+
+
+def split_names(names: list[str], rule: str, *, allow_empty: bool = False) -> ParamSplit:
+    """:func:`split_parameters` on parameter names (the server's view of a model:
+    the names of the user's ``initial_arrays``)."""
     try:
         pattern = re.compile(rule) if rule else None
     except re.error as err:
         raise ValueError(f"personal-layers rule {rule!r} is not a regular expression: {err}") from err
-    names = [n for n, _ in model.named_parameters()]
     personal = tuple(n for n in names if pattern is not None and pattern.search(n))
     shared = tuple(n for n in names if n not in personal)
     if not allow_empty and not personal:

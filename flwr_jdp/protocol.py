@@ -15,7 +15,7 @@ number of DP-SGD steps the server accounts for, plus the noise multiplier.
 
 from __future__ import annotations
 
-SHARED = "shared"
+SHARED = "arrays"  # Flower's standard key: the global shared parameters
 CONFIG = "config"
 SETUP = "setup"
 
@@ -39,6 +39,16 @@ NUM_RECORDS = "num-records"
 NUM_USERS = "num-users"
 IMAGE_SHAPE = "image-shape"
 NUM_CLASSES = "num-classes"
+PARAM_NAMES = "param-names"  # drop-in client: the model's parameter names and shapes
+PARAM_SHAPES = "param-shapes"
+
+# Set-up (query) message: the public initial values of the personal parameters
+# (from the user's ``initial_arrays``; data-independent, sent server -> owners only).
+PUBLIC_PERSONAL = "public-personal"
+
+# A drop-in owner's train reply uses Flower's standard keys for its one owner.
+ARRAYS = "arrays"
+METRICS = "metrics"
 
 # What a train reply's arrays mean.
 KIND_PARAMS = "params"  # updated shared parameters (DP-SGD done locally, or no DP)

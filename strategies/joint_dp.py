@@ -24,6 +24,7 @@ keep their own ledgers (:mod:`flwr_jdp.privacy.owner_guard`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
@@ -41,19 +42,19 @@ from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
 
 from flwr_jdp import protocol
-from flwr_jdp.config import ConfigError, JobConfig
+from flwr_jdp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config
 from flwr_jdp.models import build_model
-from flwr_jdp.params import get_arrays, split_parameters
+from flwr_jdp.params import get_arrays, split_names, split_parameters
 from flwr_jdp.privacy.ledger import PrivacyLedger
-from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, numpy_rng
-from flwr_jdp.privacy.schedule import OwnerSize, Schedule, build_schedule, calibrate_schedule
+from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, numpy_rng, reclipped_sum
+from flwr_jdp.privacy.schedule import OwnerSize, Schedule, build_schedule, calibrate_schedule, units_of
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 from flwr_jdp.training.owner_round import release_kind
 
 from .checkpoint import Checkpoint
 from .iterate_average import SharedParameterEMA
 from .node_query import query_nodes
-from .validation import ArraySpec, spec_of, validate_replies
+from .validation import NORM_SLACK, ArraySpec, max_sampled_units, spec_of, validate_replies
 
 ModelFn = Callable[[tuple[int, ...], int], nn.Module]
 
@@ -77,11 +78,16 @@ class JointDP(Strategy):
 
     def __init__(
         self,
-        cfg: JobConfig,
+        cfg: JobConfig | None = None,
         model_fn: ModelFn | None = None,
         ledger: PrivacyLedger | None = None,
         node_settle_s: float = 1.0,
+        **settings: object,
     ) -> None:
+        if cfg is None:
+            cfg = namespaced_config({}, **settings)
+        elif settings:
+            cfg = namespaced_config({f"{NAMESPACE}.{k}": v for k, v in cfg.to_dict().items()}, **settings)
         self.cfg = cfg
         self.node_settle_s = node_settle_s
         self.model_fn = model_fn or (
@@ -89,7 +95,7 @@ class JointDP(Strategy):
         )
         self.ledger = ledger or PrivacyLedger(
             delta=cfg.delta, accountant=cfg.accountant, unit=cfg.privacy_unit,
-            budget=cfg.target_epsilon,
+            budget=cfg.target_epsilon, neighbouring=cfg.neighbouring,
         )
         self.noise_multiplier = cfg.noise_multiplier
         self.kind = release_kind(cfg)
@@ -102,13 +108,59 @@ class JointDP(Strategy):
         self._requested: dict[int, list[int]] = {}
         self._current: ArrayRecord = ArrayRecord()
         self.last_round_info: dict[str, object] = {}
+        self.last_drop_reasons: list[str] = []
+        self.model_spec: dict[str, ArraySpec] = {}  # every parameter of the model (set-up)
+        self.public_initial: dict[str, np.ndarray] = {}  # personal values the release uses
         self.session = secrets.token_hex(8)  # kept across restarts (results.json)
+        self._dropin = False  # the ClientApps use JointDPClient (set at set-up)
+        self._answered: set[int] = set()
         #: Moving average of the shared parameters that owners are evaluated with
         #: (``ema-decay`` > 0; post-processing, no privacy cost).
         self.ema = SharedParameterEMA(cfg.ema_decay) if cfg.ema_decay > 0 else None
 
+    @classmethod
+    def from_run_config(cls, run_config: dict, **kwargs: object) -> JointDP:
+        """A strategy configured by the ``jdp.*`` keys of a user's run config
+        (``[tool.flwr.app.config.jdp]`` in pyproject.toml; every owner checks its
+        instructions against the same keys); ``kwargs`` as for the constructor."""
+        return cls(namespaced_config(run_config), **kwargs)
+
     # ------------------------------------------------------------------ set-up
-    def setup(self, grid: Grid, timeout: float = 120.0) -> ArrayRecord:
+    def _dropin_split(self, initial: ArrayRecord) -> None:
+        """Shared/personal split of the user's ``initial_arrays`` by ``personal-layers``."""
+        names = list(initial.keys())
+        try:
+            split = split_names(names, self.cfg.effective_personal_rule,
+                                allow_empty=self.cfg.method != "joint-dp")
+        except ValueError as err:
+            raise ConfigError(f"run-config key 'personal-layers': {err}") from None
+        values = {n: initial[n].numpy() for n in names}
+        self.model_spec = {n: ArraySpec(tuple(v.shape), str(v.dtype)) for n, v in values.items()}
+        self.public_initial = {n: values[n] for n in split.personal}
+        self.num_personal = int(sum(values[n].size for n in split.personal))
+        self.spec = {n: self.model_spec[n] for n in split.shared}
+
+    def _check_dropin_model(self, names: list[str], shapes: list[str], node: int) -> None:
+        """The ClientApp's model (as a node reported it) against ``initial_arrays``."""
+        reported = dict(zip(names, shapes, strict=False))
+        given = {n: "x".join(str(d) for d in spec.shape) or "scalar" for n, spec in self.model_spec.items()}
+        extra = sorted(set(given) - set(reported))
+        if extra:
+            raise ConfigError(
+                f"initial_arrays has {extra[:5]}, which are not parameters of the ClientApp's model "
+                f"(node {node}); buffers such as BatchNorm statistics depend on the data and cannot be "
+                "shared under DP: pass only parameters, e.g. ArrayRecord(dict(net.named_parameters()))"
+                if any("running" in n or "num_batches" in n for n in extra) else
+                f"initial_arrays has {extra[:5]}, which the ClientApp's model (node {node}) does not have")
+        missing = sorted(set(reported) - set(given))
+        if missing:
+            raise ConfigError(f"initial_arrays lacks {missing[:5]} of the ClientApp's model (node {node})")
+        wrong = [f"{n}: {given[n]} here, {reported[n]} in the ClientApp" for n in given if given[n] != reported[n]]
+        if wrong:
+            raise ConfigError(f"initial_arrays do not match the ClientApp's model (node {node}): {wrong[:3]}")
+
+    def setup(self, grid: Grid, timeout: float = 120.0,
+              initial_arrays: ArrayRecord | None = None) -> ArrayRecord:
         """Ask every node which owners it hosts and their sizes; build the initial
         shared arrays; compute the sampling schedule and (if asked) calibrate the
         noise multiplier. Fails with a message naming the key on a mismatch."""
@@ -121,12 +173,23 @@ class JointDP(Strategy):
             if got is not None:
                 found.append(got)
 
+        query = RecordDict({protocol.CONFIG: ConfigRecord()})
+        if initial_arrays is not None:
+            self._dropin_split(initial_arrays)
+            query[protocol.PUBLIC_PERSONAL] = protocol.to_record(self.public_initial)
+
+        def done() -> bool:
+            if self.cfg.num_owners == 0:  # every node that is connected
+                return bool(self._answered) and set(grid.get_node_ids()) <= self._answered
+            return set(range(self.cfg.num_owners)) <= set(self.owner_node)
+
         answered, silent = query_nodes(
-            grid,
-            lambda n: Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=n,
-                              message_type=MessageType.QUERY),
-            handle, lambda: set(range(self.cfg.num_owners)) <= set(self.owner_node), deadline)
-        missing = sorted(set(range(self.cfg.num_owners)) - set(self.owner_node))
+            grid, lambda n: Message(query, dst_node_id=n, message_type=MessageType.QUERY),
+            handle, done, deadline)
+        wanted = range(self.cfg.num_owners) if self.cfg.num_owners else sorted(self.owner_node)
+        missing = sorted(set(wanted) - set(self.owner_node))
+        if not self.owner_node:
+            raise RuntimeError(f"no node hosts an owner ({len(answered)} nodes answered the set-up)")
         if missing:
             shown = f"{missing[:10]}{'...' if len(missing) > 10 else ''}"
             if silent:
@@ -139,6 +202,13 @@ class JointDP(Strategy):
                 f"run-config key 'num-owners'={self.cfg.num_owners} but no node hosts owners "
                 f"{shown} ({len(answered)} nodes connected, all answered)"
             )
+        if self._dropin:
+            if initial_arrays is None:
+                raise ConfigError("the ClientApps use JointDPClient: pass the user's model as "
+                                  "start(initial_arrays=ArrayRecord(...))")
+            self.schedule = build_schedule(self.cfg, self.sizes)
+            self._calibrate()
+            return protocol.to_record({n: initial_arrays[n].numpy() for n in self.spec})
         shape, classes = found[-1]
         model = self.model_fn(shape, classes)
         try:
@@ -148,6 +218,8 @@ class JointDP(Strategy):
             raise ConfigError(f"run-config key 'personal-layers': {err}") from None
         self.num_personal = sum(p.numel() for n, p in model.named_parameters()
                                 if n in split.personal)
+        self.model_spec = spec_of(protocol.to_record(get_arrays(model, list(split.shared) + list(split.personal))))
+        self.public_initial = dict(get_arrays(model, split.personal))
         initial = protocol.to_record(get_arrays(model, split.shared))
         self.spec = spec_of(initial)
         self.schedule = build_schedule(self.cfg, self.sizes)
@@ -157,12 +229,16 @@ class JointDP(Strategy):
                 "personal parameters trained without noise, so the %s-level guarantee the "
                 "ledger reports is NOT established (the paper's Algorithm 1, kept for "
                 "reproduction only); use 'decoupled'", self.cfg.privacy_unit)
+        self._calibrate()
+        return initial
+
+    def _calibrate(self) -> None:
+        assert self.schedule is not None
         if self.cfg.dp and self.cfg.calibrate and self.noise_multiplier == 0.0:
             self.noise_multiplier = calibrate_schedule(self.cfg, self.schedule)
             log(INFO, "Calibrated noise multiplier %.4f for epsilon=%.3g at delta=%.3g over "
                 "%d rounds (%s accountant)", self.noise_multiplier, self.cfg.target_epsilon,
                 self.cfg.delta, self.cfg.num_rounds, self.cfg.accountant)
-        return initial
 
     def _wait_for_nodes(self, grid: Grid, deadline: float, poll: float = 0.1) -> None:
         """Before the first query, let connecting nodes arrive: wait until as many
@@ -175,7 +251,7 @@ class JointDP(Strategy):
         count, since = -1, time.time()
         while time.time() < deadline:
             now = len(list(grid.get_node_ids()))
-            if now >= self.cfg.num_owners:
+            if self.cfg.num_owners and now >= self.cfg.num_owners:
                 return
             if now != count:
                 count, since = now, time.time()
@@ -189,7 +265,13 @@ class JointDP(Strategy):
             raise RuntimeError(
                 f"node {reply.metadata.src_node_id} failed at set-up: {reply.error.reason}"
             )
+        self._answered.add(reply.metadata.src_node_id)
         rec = reply.content[protocol.SETUP]
+        if protocol.PARAM_NAMES in rec:  # a drop-in ClientApp (JointDPClient)
+            self._dropin = True
+            if self.model_spec:
+                self._check_dropin_model(list(rec[protocol.PARAM_NAMES]), list(rec[protocol.PARAM_SHAPES]),
+                                         reply.metadata.src_node_id)
         for o, nrec, nusr in zip(rec[protocol.OWNER_IDS], rec[protocol.NUM_RECORDS],
                                  rec[protocol.NUM_USERS], strict=False):
             if int(o) in self.owner_node:
@@ -197,7 +279,7 @@ class JointDP(Strategy):
                                   "'partition-id' and 'num-partitions'")
             self.owner_node[int(o)] = reply.metadata.src_node_id
             self.sizes[int(o)] = OwnerSize(int(nrec), int(nusr))
-        if not rec[protocol.OWNER_IDS]:
+        if not rec[protocol.OWNER_IDS] or protocol.IMAGE_SHAPE not in rec:
             return None
         return tuple(int(v) for v in rec[protocol.IMAGE_SHAPE]), int(rec[protocol.NUM_CLASSES])
 
@@ -245,29 +327,60 @@ class JointDP(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, drop bad replies with a reason, aggregate, add central noise."""
+        """Validate, drop bad replies with a reason, aggregate, add central noise.
+
+        Structurally malformed replies are dropped with a logged reason. Under
+        central noise (the server noises what it aggregates) a well-formed owner
+        update with invalid values (NaN/Inf; owner unit: a norm above the clipping
+        norm beyond ``NORM_SLACK``) is replaced by zero, with a logged reason, and
+        still counts as valid (``valid-owners``, of which ``zeroed-owners``), also for
+        ``min-valid-fraction``, so neither the sum's denominator (the expected count)
+        nor the decision to skip depends on its values."""
         selected = [o for owners in self._requested.values() for o in owners]
-        central_clip = (self.cfg.dp and self.kind == protocol.KIND_DELTA
-                        and self.cfg.placement is NoisePlacement.CENTRAL)
+        central = self.cfg.dp and (self.kind == protocol.KIND_GRAD_SUM or (
+            self.kind == protocol.KIND_DELTA and self.cfg.placement is NoisePlacement.CENTRAL))
+        owner_clip = central and self.kind == protocol.KIND_DELTA
         valid = validate_replies(list(replies), self._requested, self.spec,
-                                 max_norm=self.cfg.clipping_norm if central_clip else None)
-        for reason in valid.dropped.values():
-            log(WARNING, "round %d: dropped reply: %s", server_round, reason)
+                                 max_norm=self.cfg.clipping_norm if owner_clip else None,
+                                 zero_invalid=central)
+        for owner, reason in sorted(valid.dropped.items()):
+            why = ("no reply within round-timeout: node disconnected, crashed or too slow"
+                   if reason.endswith("no reply") else "refused by the owner" if "refused:" in reason
+                   else "error reply" if "reported an error" in reason else "invalid reply")
+            log(WARNING, "round %d: dropped reply of owner %d (node %s), %s: %s", server_round,
+                owner, self.owner_node.get(owner, "?"), why, reason)
+        self.last_drop_reasons = list(valid.dropped.values())
+        for reason in valid.zeroed.values():
+            log(WARNING, "round %d: replaced an invalid update by zero: %s", server_round, reason)
         needed = max(1, math.ceil(self.cfg.min_valid_fraction * len(selected)))
-        info = {"valid-owners": len(valid.arrays), "dropped-owners": len(valid.dropped)}
+        # zeroed owners are valid (aggregated, as zero) and counted as such everywhere
+        info = {"valid-owners": len(valid.arrays), "dropped-owners": len(valid.dropped),
+                "zeroed-owners": len(valid.zeroed)}
         self.last_round_info = dict(info)
         if not self.spec:  # per-silo: nothing is shared
             return self._current, MetricRecord(info)
         if len(valid.arrays) < needed:
-            log(WARNING, "round %d skipped: %d valid replies < %d required "
+            log(WARNING, "round %d skipped: %d valid replies (%d of them zeroed) < %d required "
                 "(min-valid-fraction=%.2f); its privacy cost is still charged",
-                server_round, len(valid.arrays), needed, self.cfg.min_valid_fraction)
+                server_round, len(valid.arrays), len(valid.zeroed), needed, self.cfg.min_valid_fraction)
             self.last_round_info["skipped"] = True
             return None, MetricRecord(info)
-        new = self._aggregate(valid.arrays, valid.weights)
+        new = self._aggregate(valid.arrays, valid.weights, server_round)
         return protocol.to_record(dict(zip(self.spec, new, strict=False))), MetricRecord(info)
 
-    def _aggregate(self, arrays: dict[int, list[np.ndarray]], weights: dict[int, float]) -> list[np.ndarray]:
+    def _aggregate(self, arrays: dict[int, list[np.ndarray]], weights: dict[int, float],
+                   server_round: int = 0) -> list[np.ndarray]:
+        """Average (local noise) or re-clip, sum, noise and normalise (central noise).
+
+        Central noise re-clips every owner's contribution, in float64, before the
+        noise is added (:func:`~flwr_jdp.privacy.mechanisms.reclipped_sum`):
+        owner unit, each clipped update to exactly ``C`` (the sensitivity the noise
+        is for); record/user unit, each sum of clipped per-unit gradients to ``C``
+        times :func:`~flwr_jdp.strategies.validation.max_sampled_units` of the
+        owner (a public bound an honest sum exceeds with probability <= 1e-9).
+        Re-clipping is non-expansive, so one unit still moves the noised sum by at
+        most ``C``; the bound only limits what one owner's reply can do to the model.
+        """
         current = [self._current[k].numpy() for k in self.spec]
         owners = sorted(arrays)
         cfg = self.cfg
@@ -276,19 +389,34 @@ class JointDP(Strategy):
             w = w / w.sum()
             return [sum(wi * arrays[o][i] for wi, o in zip(w, owners, strict=False)).astype(current[i].dtype)
                     for i in range(len(current))]
-        total = [sum(arrays[o][i] for o in owners) for i in range(len(current))]
         assert self.schedule is not None
+        central = self.kind == protocol.KIND_GRAD_SUM or cfg.placement is NoisePlacement.CENTRAL
+        if central:
+            if self.kind == protocol.KIND_GRAD_SUM:
+                rate = self.schedule.server_rate
+                bounds = {o: cfg.clipping_norm * max_sampled_units(units_of(cfg, self.sizes[o]), rate)
+                          for o in owners}
+            else:
+                bounds = {o: cfg.clipping_norm for o in owners}
+            total, over = reclipped_sum(arrays, bounds)
+            for o, norm in over.items():
+                if norm > bounds[o] * (1 + NORM_SLACK):
+                    log(WARNING, "round %d: owner %d's contribution has norm %.4g > its bound %.4g; "
+                        "re-clipped to the bound", server_round, o, norm, bounds[o])
         if self.kind == protocol.KIND_GRAD_SUM:
             mech = GaussianSumMechanism(self.noise_multiplier, cfg.clipping_norm,
-                                        self.schedule.server_rate * self.schedule.num_units)
+                                        self.schedule.server_rate * self.schedule.num_units,
+                                        secure=cfg.secure_noise)
             grad = mech.release_numpy(total, self.rng)
             return [(c - cfg.learning_rate * g).astype(c.dtype) for c, g in zip(current, grad, strict=False)]
         # KIND_DELTA
-        if cfg.placement is NoisePlacement.CENTRAL:
+        if central:
             expected = self.schedule.server_rate * len(self.owner_node)
-            mech = GaussianSumMechanism(self.noise_multiplier, cfg.clipping_norm, expected)
+            mech = GaussianSumMechanism(self.noise_multiplier, cfg.clipping_norm, expected,
+                                        secure=cfg.secure_noise)
             update = mech.release_numpy(total, self.rng)
         else:
+            total = [sum(arrays[o][i] for o in owners) for i in range(len(current))]
             update = [t / len(owners) for t in total]
         return [(c + cfg.server_learning_rate * u).astype(c.dtype) for c, u in zip(current, update, strict=False)]
 
@@ -312,11 +440,13 @@ class JointDP(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Mean over owners of each owner's personalized test accuracy."""
-        valid = validate_replies(list(replies), self._requested, None,
-                                 required_metrics=(protocol.NUM_EXAMPLES, protocol.ACCURACY,
-                                                   protocol.PERSONAL_ROUNDS))
+        required = (protocol.NUM_EXAMPLES,) if self._dropin else (
+            protocol.NUM_EXAMPLES, protocol.ACCURACY, protocol.PERSONAL_ROUNDS)
+        valid = validate_replies(list(replies), self._requested, None, required_metrics=required)
         for reason in valid.dropped.values():
             log(WARNING, "round %d: dropped evaluation reply: %s", server_round, reason)
+        if self._dropin:
+            return _weighted_metrics(valid.metrics)
         accs = [m[protocol.ACCURACY] for m in valid.metrics.values() if m[protocol.ACCURACY] <= 1.0]
         if not accs:
             return None
@@ -355,19 +485,45 @@ class JointDP(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
         """Run set-up and the rounds, checkpointing model, ledger and results to
-        ``results-dir`` after every round; stop cleanly when the budget would be
-        exceeded. An unfinished run with the same configuration is resumed.
+        ``results-dir`` before every round's release and after it; stop cleanly when
+        the budget would be exceeded. An unfinished run with the same configuration
+        is resumed. The arguments mean what they mean in Flower's ``Strategy.start``:
 
-        ``timeout`` (default: run-config ``round-timeout``) bounds every exchange;
-        an owner whose reply is later (crashed, hung or disconnected node) is
-        dropped for that round, which is still charged in full."""
+        - ``initial_arrays``: the initial model. Its shared parameters are broadcast;
+          personal parameters may be included only at the public initial values the
+          ClientApp's model has (the release is computed with those), else the run
+          fails before any privacy is spent, naming the array.
+        - ``num_rounds``: the horizon the noise is calibrated for. Under local noise
+          it must equal run-config ``num-rounds``, which every owner uses to check the
+          noise it is asked to add; a different value fails before any spending.
+        - ``timeout`` (default: run-config ``round-timeout``) bounds every exchange;
+          an owner whose reply is later (crashed, hung or disconnected node) is
+          dropped for that round, which is still charged in full.
+        - ``train_config`` / ``evaluate_config``: sent to the ClientApps with every
+          train / evaluate instruction.
+        - ``evaluate_fn(server_round, arrays)``: called on the global shared model
+          before round 1 (round 0) and after every round; its metrics go to
+          ``Result.evaluate_metrics_serverapp`` and ``results.json``.
+
+        A run in which ``max-skipped-rounds`` rounds in a row have too few valid
+        replies ends as failed (``status: failed`` with the epsilon spent saved, and
+        an exception, so Flower marks the run ``finished:failed``)."""
         cfg = self.cfg
         timeout = float(timeout or cfg.round_timeout)
-        num_rounds = num_rounds or cfg.num_rounds
+        if num_rounds is not None and num_rounds != cfg.num_rounds:
+            if cfg.dp and cfg.placement is NoisePlacement.LOCAL:
+                raise ConfigError(
+                    f"start(num_rounds={num_rounds}) differs from run-config 'num-rounds'="
+                    f"{cfg.num_rounds}, which every owner uses to check the noise it adds under "
+                    f"local noise: set num-rounds={num_rounds} in the run config")
+            if num_rounds < 1:
+                raise ConfigError(f"start(num_rounds={num_rounds}): must be >= 1")
+            cfg = self.cfg = dataclasses.replace(cfg, num_rounds=int(num_rounds))
+        num_rounds = cfg.num_rounds
         t0 = time.time()
-        arrays = self.setup(grid, timeout=120.0)
-        if initial_arrays is not None:
-            arrays = initial_arrays
+        arrays = self.setup(grid, timeout=120.0, initial_arrays=initial_arrays)
+        if initial_arrays is not None and not self._dropin:
+            arrays = self._checked_initial_arrays(initial_arrays)
         ckpt = Checkpoint(Path(cfg.results_dir), cfg.to_dict())
         start_round, history = 1, []
         if cfg.resume and ckpt.resumable():
@@ -388,6 +544,9 @@ class JointDP(Strategy):
         result = Result()
         result.arrays = arrays
         status = "completed"
+        if evaluate_fn is not None and start_round == 1:
+            self._server_evaluate(evaluate_fn, 0, arrays, result)
+        skipped_in_a_row = 0
         for rnd in range(start_round, num_rounds + 1):
             t_round = time.time()
             try:
@@ -416,11 +575,14 @@ class JointDP(Strategy):
             eval_metrics = self.aggregate_evaluate(rnd, eval_replies)
             if eval_metrics is not None:
                 result.evaluate_metrics_clientapp[rnd] = eval_metrics
+            server_metrics = (self._server_evaluate(evaluate_fn, rnd, evaluated, result)
+                              if evaluate_fn is not None else None)
             eps = self.ledger.epsilon() if cfg.dp else 0.0
-            acc = float(eval_metrics["accuracy"]) if eval_metrics is not None else float("nan")
+            acc = float(eval_metrics.get("accuracy", float("nan"))) if eval_metrics is not None else float("nan")
             row = {
                 "round": rnd, "accuracy": acc,
-                "accuracy_std": float(eval_metrics["accuracy-std"]) if eval_metrics else float("nan"),
+                "accuracy_std": float(eval_metrics.get("accuracy-std", float("nan"))) if eval_metrics else float("nan"),
+                "evaluated_owners": int(eval_metrics["owners"]) if eval_metrics else 0,
                 "epsilon": eps, "delta": cfg.delta, "noise_multiplier": self.noise_multiplier,
                 "valid_owners": int(self.last_round_info.get("valid-owners", 0)),
                 "dropped_owners": int(self.last_round_info.get("dropped-owners", 0)),
@@ -428,18 +590,74 @@ class JointDP(Strategy):
                 "personal_rounds_min": int(eval_metrics["personal-rounds-min"]) if eval_metrics else 0,
                 "seconds": time.time() - t_round,
             }
+            if server_metrics is not None:
+                row["server_metrics"] = server_metrics
+            if self._dropin and eval_metrics is not None:
+                row["owner_metrics"] = {k: float(v) for k, v in eval_metrics.items()}
             history.append(row)
             log(INFO, "[round %d/%d] mean personalized accuracy %.4f over %d owners | "
                 "epsilon %.4f (target %.4g) at delta %.3g | noise multiplier %.4f | %.1fs",
                 rnd, num_rounds, acc, int(eval_metrics["owners"]) if eval_metrics else 0, eps,
                 cfg.target_epsilon, cfg.delta, self.noise_multiplier, row["seconds"])
             result.arrays = arrays
+            useless = bool(self.spec) and (row["skipped"] or row["valid_owners"] == 0)
+            skipped_in_a_row = skipped_in_a_row + 1 if useless else 0
+            if skipped_in_a_row >= cfg.max_skipped_rounds:
+                status = "failed"
+                break
             ckpt.save(arrays, self.ledger, history, self.noise_multiplier, "running",
                       self._summary(history, t0), ema=self._ema_state())
         ckpt.save(arrays, self.ledger, history, self.noise_multiplier, status,
                   self._summary(history, t0), ema=self._ema_state())
         log(INFO, "Finished (%s): results in %s", status, ckpt.results_path)
+        if status == "failed":
+            reasons = "; ".join(list(dict.fromkeys(self.last_drop_reasons))[:3]) or "no reply arrived"
+            raise RuntimeError(
+                f"run failed: {skipped_in_a_row} rounds in a row (max-skipped-rounds="
+                f"{cfg.max_skipped_rounds}) had too few valid replies; epsilon "
+                f"{self.ledger.epsilon() if cfg.dp else 0.0:.4f} spent and saved in "
+                f"{ckpt.ledger_path}. Last round's reasons: {reasons}")
         return result
+
+    def _checked_initial_arrays(self, initial: ArrayRecord) -> ArrayRecord:
+        """The shared part of the user's ``initial_arrays``, after checking it
+        against the model the ClientApps build (raises :class:`ConfigError` naming
+        the array, before any privacy is spent)."""
+        names = list(initial.keys())
+        unknown = [n for n in names if n not in self.model_spec]
+        if unknown:
+            raise ConfigError(f"initial_arrays has {unknown[:5]}, which the ClientApp's model does "
+                              f"not have (its parameters: {list(self.model_spec)[:8]}...)")
+        missing = [n for n in self.spec if n not in names]
+        if missing:
+            raise ConfigError(f"initial_arrays lacks the shared parameters {missing[:5]}")
+        for name in names:
+            arr = initial[name]
+            want = self.model_spec[name]
+            if tuple(arr.shape) != want.shape or str(arr.dtype) != want.dtype:
+                raise ConfigError(
+                    f"initial_arrays['{name}'] has shape {tuple(arr.shape)} and dtype {arr.dtype}; "
+                    f"the ClientApp's model has {want.shape} and {want.dtype}")
+            if name in self.public_initial and not np.array_equal(arr.numpy(), self.public_initial[name]):
+                raise ConfigError(
+                    f"initial_arrays['{name}'] is a personal parameter (personal-layers="
+                    f"{self.cfg.effective_personal_rule!r}) with values other than the ClientApp "
+                    "model's public initial ones, which the owners' releases are computed with: "
+                    "leave personal parameters out of initial_arrays")
+        return protocol.to_record({n: initial[n].numpy() for n in self.spec})
+
+    def _server_evaluate(self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None],
+                         server_round: int, arrays: ArrayRecord, result: Result) -> dict | None:
+        """Call the user's ``evaluate_fn`` on the global shared model (no privacy
+        cost: the model is already DP)."""
+        metrics = evaluate_fn(server_round, arrays)
+        if metrics is None:
+            return None
+        result.evaluate_metrics_serverapp[server_round] = metrics
+        out = {k: float(v) if isinstance(v, int | float) else v for k, v in dict(metrics).items()}
+        log(INFO, "[round %d] server-side evaluation: %s", server_round,
+            ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
+        return out
 
     def _evaluated_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
         """The shared model owners are evaluated with: the moving average once a
@@ -466,6 +684,28 @@ class JointDP(Strategy):
             "wall_seconds": time.time() - t0,
             "session": self.session,
         }
+
+
+def _weighted_metrics(metrics: dict[int, dict[str, float]]) -> MetricRecord | None:
+    """The owners' own evaluation metrics (a drop-in app's ``test``) averaged
+    weighted by ``num-examples``, as Flower's FedAvg does; ``accuracy`` is the
+    metric named so, else the first whose name contains ``acc``; ``owners`` is how
+    many owners the averages cover."""
+    if not metrics:
+        return None
+    total = sum(m[protocol.NUM_EXAMPLES] for m in metrics.values()) or 1.0
+    keys = sorted({k for m in metrics.values() for k in m} - {protocol.NUM_EXAMPLES})
+    out = {k: float(sum(m.get(k, 0.0) * m[protocol.NUM_EXAMPLES] for m in metrics.values()) / total)
+           for k in keys if all(k in m for m in metrics.values())}
+    acc = next((k for k in out if k == "accuracy"), None) or next((k for k in out if "acc" in k), None)
+    if acc is not None:
+        accs = [m[acc] for m in metrics.values()]
+        out["accuracy"] = float(np.mean(accs))
+        out["accuracy-std"] = float(np.std(accs))
+        out["accuracy-weighted"] = float(sum(m[acc] * m[protocol.NUM_EXAMPLES] for m in metrics.values()) / total)
+    out["owners"] = len(metrics)
+    out["personal-rounds-min"] = 0
+    return MetricRecord(out)
 
 
 def load_results(results_dir: str | Path) -> dict:

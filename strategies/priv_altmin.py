@@ -54,6 +54,7 @@ from flwr_jdp.altmin.algorithm import (
     server_update,
 )
 from flwr_jdp.altmin.problem import ProblemSpec
+from flwr_jdp.altmin.release import GaussianRelease
 from flwr_jdp.altmin.statistics import AltMinSums
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
@@ -122,7 +123,7 @@ class PrivAltMin(Strategy):
         else:
             shapes = {"a": (d * k, d * k), "b": (d * k,)}
         total = {name: np.zeros(shape) for name, shape in shapes.items()}
-        users, clipped, valid = 0, 0, 0
+        users, valid = 0, 0
         for reply in replies:
             arrays = self._valid(reply, shapes)
             if arrays is None:
@@ -131,15 +132,13 @@ class PrivAltMin(Strategy):
             for name in shapes:
                 total[name] += arrays[name]
             users += int(reply.content[METRICS].get("num-users", 0))
-            clipped += int(reply.content[METRICS].get("clipped", 0))
-        m = self.spec.samples_per_user
+        releases = self.round_releases(server_round)
         if server_round == 0:
-            self.embedding = server_init(total["m"], init_release(self.cfg, self.plan, m), k, self.rng)
+            self.embedding = server_init(total["m"], releases[0], k, self.rng)
         else:
-            sums = AltMinSums(total["a"], total["b"], users, clipped)
-            releases = epoch_releases(self.cfg, self.plan, server_round - 1)
+            sums = AltMinSums(total["a"], total["b"], users, 0)  # clipped counts are not sent
             self.embedding = server_update(sums, releases, self.embedding, self.cfg, self.rng)
-        metrics = MetricRecord({"num-users": users, "clipped": clipped, "valid-nodes": valid})
+        metrics = MetricRecord({"num-users": users, "valid-nodes": valid})
         return ArrayRecord([self.embedding]), metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -161,6 +160,21 @@ class PrivAltMin(Strategy):
             return None
         return MetricRecord({"mse": total / users, "num-users": users})
 
+    def round_releases(self, server_round: int) -> tuple[GaussianRelease, ...]:
+        """Round ``server_round``'s releases: the initialisation matrix (round 0) or
+        epoch ``server_round - 1``'s ``(A, b)``. :meth:`aggregate_train` adds their
+        noise and :meth:`release_events` takes the ledger's events from them."""
+        if server_round == 0:
+            return (init_release(self.cfg, self.plan, self.spec.samples_per_user),)
+        return epoch_releases(self.cfg, self.plan, server_round - 1)
+
+    def release_events(self) -> list:
+        """The events of the plan's releases, in its order ``[init, A_1, b_1, ...]``
+        (with ``groups > 1``: init and one epoch's pair), each from the mechanism of
+        :meth:`round_releases` that adds that release's noise."""
+        pairs = (len(self.plan.multipliers()) - 1) // 2
+        return [r.event() for rnd in range(pairs + 1) for r in self.round_releases(rnd)]
+
     def summary(self) -> None:
         log(INFO, "PrivAltMin: %d users x %d samples, d=%d, k=%d | %d epochs, u-step %s | "
             "target epsilon %s at delta %.3g | overall noise multiplier %.4f (rho=%.4g zCDP)",
@@ -174,7 +188,7 @@ class PrivAltMin(Strategy):
         ledger and the final embedding to ``results-dir``."""
         t0 = time.time()
         self.summary()
-        events = self.plan.events()
+        events = self.release_events()
         result = Result()
         arrays = ArrayRecord([np.zeros((self.spec.dim, self.spec.rank))])
         for rnd in range(0, self.cfg.epochs + 1):
@@ -191,7 +205,7 @@ class PrivAltMin(Strategy):
             eps = self.ledger.epsilon() if self.cfg.private else math.inf
             mse = float(eval_metrics["mse"]) if eval_metrics else float("nan")
             row = {"epoch": rnd, "mse": mse, "epsilon": eps, "users": int(train_metrics["num-users"]),
-                   "clipped": int(train_metrics["clipped"]), "seconds": time.time() - t_round}
+                   "seconds": time.time() - t_round}
             self.history.append(row)
             log(INFO, "[epoch %d/%d] population excess MSE %.3e over %d users | epsilon %.4f "
                 "(target %s) at delta %.3g | %.1fs", rnd, self.cfg.epochs, mse, row["users"], eps,

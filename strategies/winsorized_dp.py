@@ -64,7 +64,6 @@ class DifferentialPrivacyWinsorizedMean(Strategy):
         self.rng = numpy_rng(None if noise_seed < 0 else noise_seed)
         self.current_arrays = ArrayRecord()
         self.dropped: list[str] = []
-        self.update_norms: list[float] = []
 
     def __repr__(self) -> str:
         return "Differential Privacy Strategy Wrapper (Winsorized User-Level Mean)"
@@ -134,8 +133,6 @@ class DifferentialPrivacyWinsorizedMean(Strategy):
                 server_round, len(updates), self.num_sampled_clients)
             return None, None
         stack = np.stack(updates)
-        norms = np.linalg.norm(stack, axis=1)
-        self.update_norms.append(float(np.median(norms)))
         mean = np.asarray(self.estimator.estimate(stack, self.rng)).ravel()
         out, start = {}, 0
         for key, cur in zip(keys, current):
@@ -144,8 +141,8 @@ class DifferentialPrivacyWinsorizedMean(Strategy):
             out[key] = Array((cur + mean[start:start + size].reshape(cur.shape)).astype(dtype))
             start += size
         _, metrics = self.strategy.aggregate_train(server_round, valid)  # metrics only
-        log(INFO, "aggregate_train: winsorized private mean of %d updates (median norm %.4g, tau %.4g)",
-            len(updates), self.update_norms[-1], self.estimator.tau)
+        log(INFO, "aggregate_train: winsorized private mean of %d updates (tau %.4g)",
+            len(updates), self.estimator.tau)  # nothing data-dependent but the DP mean
         return ArrayRecord(out), metrics
 
     # ---------------------------------------------------------- evaluate

@@ -50,3 +50,9 @@ def femnist_dir():
 def shakespeare_dir():
     """The Tiny Shakespeare folder (characters as subjects)."""
     return _shared_data("tinyshakespeare", "input.txt")
+
+
+@pytest.fixture
+def fashion_mnist_dir():
+    """The Fashion-MNIST folder (IDX .gz files)."""
+    return _shared_data("fashion-mnist", "train-images-idx3-ubyte.gz")

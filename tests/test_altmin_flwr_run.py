@@ -11,6 +11,8 @@ import pytest
 
 from .helpers import run_flwr_app
 
+pytestmark = pytest.mark.slow  # Ray simulation or SuperLink processes: `pytest -m slow`
+
 
 @pytest.mark.skipif(shutil.which("flwr", path=os.path.dirname(sys.executable)) is None,
                     reason="the flwr CLI is not installed beside this Python")

@@ -25,6 +25,8 @@ from flwr_jdp.privacy.ledger import PrivacyLedger, owner_scope
 
 from .helpers import flwr_env, free_port, run_inprocess
 
+pytestmark = pytest.mark.slow  # Ray simulation or SuperLink processes: `pytest -m slow`
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 NODES = 3

@@ -10,6 +10,8 @@ from flwr.app import ConfigRecord
 
 from flwr_jdp.simulation import simulate
 
+pytestmark = pytest.mark.slow  # Ray simulation or SuperLink processes: `pytest -m slow`
+
 
 def _faulty(kind_wanted, behaviour):
     """Node with partition-id 1 misbehaves once, in its first `kind_wanted` call."""

@@ -17,6 +17,8 @@ import pytest
 from .helpers import flwr_env as make_env
 from .helpers import free_port
 
+pytestmark = pytest.mark.slow  # Ray simulation or SuperLink processes: `pytest -m slow`
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -59,3 +61,27 @@ def test_flwr_run_trains_personalized_models(flwr_env, tmp_path):
     listed = subprocess.run(["flwr", "list", "--format", "json"], cwd=ROOT, env=flwr_env,
                             capture_output=True, text=True, timeout=120)
     assert "finished:completed" in listed.stdout, listed.stdout[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("flwr", path=os.path.dirname(sys.executable)) is None,
+                    reason="the flwr CLI is not installed beside this Python")
+def test_a_run_that_cannot_make_progress_ends_failed_in_flwr_list(flwr_env, tmp_path):
+    """Every train reply misses a 10 ms round timeout: the round is skipped, and with
+    max-skipped-rounds = 1 the run ends as failed (never completed), with its epsilon
+    saved, and `flwr list` shows it finished:failed."""
+    results = tmp_path / "results"
+    overrides = (f"num-owners=4 num-rounds=3 results-dir='{results}' noise-seed=3 "
+                 "round-timeout=0.01 max-skipped-rounds=1")
+    proc = subprocess.run(
+        ["flwr", "run", ".", "--stream", "--run-config", overrides,
+         "--federation-config", "num-supernodes=2"],
+        cwd=ROOT, env=flwr_env, capture_output=True, text=True, timeout=900,
+    )
+    log = proc.stdout + proc.stderr
+    assert (results / "results.json").is_file(), f"no results written; flwr run said:\n{log[-4000:]}"
+    res = json.loads((results / "results.json").read_text())
+    assert res["status"] == "failed" and res["rounds_completed"] == 1, log[-4000:]
+    assert res["epsilon"] > 0 and (results / "ledger.json").is_file()
+    listed = subprocess.run(["flwr", "list", "--format", "json"], cwd=ROOT, env=flwr_env,
+                            capture_output=True, text=True, timeout=120)
+    assert "finished:failed" in listed.stdout, listed.stdout[-2000:]

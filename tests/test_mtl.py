@@ -175,6 +175,7 @@ def _sim_config(tmp_path, **extra):
             "finetune-lr": 0.1, **extra}
 
 
+@pytest.mark.slow  # Ray simulation
 def test_flower_run_equals_single_process_and_sends_only_projected_models(tmp_path):
     rc = _sim_config(tmp_path)
     sent = []
@@ -206,6 +207,7 @@ def test_flower_run_equals_single_process_and_sends_only_projected_models(tmp_pa
     assert [r["round"] for r in ledger["rounds"]] == [1, 2, 3]
 
 
+@pytest.mark.slow  # Ray simulation
 def test_out_of_ball_and_malformed_replies_are_dropped_with_a_reason(tmp_path):
     def attack(kind, handler):
         if kind != "train":

@@ -33,11 +33,12 @@ class TamperingJointDP(JointDP):
         return messages
 
 
-def _run(run_config, tamper, num_rounds=None, honest_budget=True, node_config=None):
-    cfg = parse_config(run_config)
+def _run(run_config, tamper, server_rounds=None, honest_budget=True, node_config=None):
+    """The owners run with ``run_config``; the server may plan ``server_rounds``."""
+    cfg = parse_config(dict(run_config, **({"num-rounds": server_rounds} if server_rounds else {})))
     grid = InProcessGrid(client_app, 2, run_config, node_config=node_config)
     strategy = TamperingJointDP(cfg, tamper, honest_budget)
-    strategy.start(grid=grid, num_rounds=num_rounds)
+    strategy.start(grid=grid)
     return strategy, grid
 
 
@@ -117,16 +118,21 @@ def test_honest_instructions_are_accepted_and_charged_by_each_owner(run_config):
         assert state["scopes"]["self"] == strategy.ledger.scopes[f"owner/{o}"]
 
 
-def test_owners_stop_at_their_budget_when_the_server_asks_for_more(run_config):
-    """A server that ignores its budget and re-sends round 1 six times: each owner
-    releases while its own ledger stays within the target, then refuses."""
-    run_config.update({"noise-multiplier": 0.0, "target-epsilon": 3.0, "num-rounds": 2})
-    _, grid = _run(run_config, _set(protocol.ROUND, 1), num_rounds=6, honest_budget=False)
+def test_owners_stop_at_their_budget_when_the_server_asks_for_more(run_config, tmp_path):
+    """A server that plans six rounds where the owners agreed to two, ignores its
+    budget and numbers every round 1: each owner releases while its own ledger stays
+    within the target (two rounds' worth), then refuses."""
+    honest = dict(run_config, **{"num-rounds": 2, "results-dir": str(tmp_path / "honest")})
+    _, grid = _run(honest, lambda *_: None)
+    two_rounds = max(state["epsilon"] for state in _own_ledgers(grid).values())
+    run_config.update({"num-rounds": 2, "target-epsilon": two_rounds * (1 + 1e-6),
+                       "max-skipped-rounds": 10})  # let the server go on asking
+    _, grid = _run(run_config, _set(protocol.ROUND, 1), server_rounds=6, honest_budget=False)
     replies = _train_replies(grid)
     assert [r.has_error() for r in replies] == [False] * 4 + [True] * 8  # 2 nodes x 6 rounds
-    assert all("owner's budget 3" in r.error.reason for r in replies if r.has_error())
+    assert all("owner's budget" in r.error.reason for r in replies if r.has_error())
     for state in _own_ledgers(grid).values():
-        assert len(state["rounds"]) == 2 and state["epsilon"] <= 3.0 * (1 + 1e-9)
+        assert len(state["rounds"]) == 2 and state["epsilon"] <= two_rounds * (1 + 1e-6)
 
 
 def test_a_node_cap_below_the_run_target_refuses_the_run(run_config):
@@ -151,3 +157,22 @@ def test_agreed_release_follows_the_owners_own_size():
     assert agreed_release(owner, OwnerSize(160, 160)).unit is PrivacyUnit.OWNER
     with pytest.raises(ValueError, match="local noise"):
         agreed_release(parse_config({"noise-placement": "central"}), OwnerSize(10, 10))
+
+
+def test_owner_checks_use_the_runs_neighbouring_relation():
+    """A noise multiplier calibrated under add/remove is too small for the same
+    target under replace-one (one record moves a sum by up to 2C), and the owner's
+    own check says so."""
+    from flwr_jdp.privacy.schedule import build_schedule, calibrate_schedule
+
+    base = {"noise-multiplier": 0.0, "target-epsilon": 2.0, "num-rounds": 2, "batch-size": 16}
+    add_remove = parse_config(base)
+    replace_one = parse_config(dict(base, neighbouring="replace-one"))
+    size = OwnerSize(160, 160)
+    z = calibrate_schedule(add_remove, build_schedule(add_remove, {0: size}))
+    steps = agreed_release(add_remove, size).max_steps
+    instruction = Instruction(1, 0.1, steps, z)
+    assert agreed_release(add_remove, size).check(instruction) is None
+    agreed = agreed_release(replace_one, size)
+    assert agreed.neighbouring == "replace-one"
+    assert "is too small" in agreed.check(instruction)

@@ -43,6 +43,7 @@ def test_bad_cells_fail_with_the_option_name(kwargs, message):
         Cell(**args)
 
 
+@pytest.mark.slow  # Ray simulation
 def test_reproduce_one_cell_through_flower_simulation(tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["reproduce", "joint-dp", "--dataset", "digits", "--owners", "4", "--method",

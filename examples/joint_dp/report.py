@@ -4,7 +4,8 @@
 
 Reads ``table1.csv``, ``figure1.csv``, ``table2.csv``, ``table4.csv``,
 ``table1_personal.csv``, ``table1_interleaved.csv``, ``tuning.csv`` and ``memory_*.csv`` (from
-``simulation_memory.py``; whichever exist) and writes ``figure1.png`` and ``tables.md`` beside them. Figure 1: mean
+``simulation_memory.py``; whichever exist) and the per-run ``results.json`` under ``runs/`` (or, without
+that folder, from the committed ``runs.tar.gz``), and writes ``figure1.png`` and ``tables.md`` beside them. Figure 1: mean
 personalized test accuracy against epsilon for joint-DP and full-DP (error bars:
 std over seeds), per-silo training as a dashed line, one panel per n; local-noise curves solid,
 central-noise curves dotted. Table 1's epsilon = 1 cells are points of the curves.
@@ -28,6 +29,7 @@ from flwr_jdp.reproduce.joint_dp import (
     read_rows,
     shared_parameter_count,
 )
+from flwr_jdp.reproduce.runs_archive import runs_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -557,22 +559,23 @@ def main() -> int:
     t2 = read_rows(res / "table2.csv")
     t4 = read_rows(res / "table4.csv")
     rule_rows = read_rows(res / "table1_personal.csv")
+    runs = runs_folder(res)  # res/runs, or the same folder from res/runs.tar.gz
     parts = []
     if t1:
         parts += ["### Table 1 (ε = 1, δ = 1e-4)", table1(t1),
                   "### Wall time of the Table 1 cells (2-core CPU, Flower Ray simulation, 2 SuperNodes)",
-                  timing(t1, res / "runs")]
+                  timing(t1, runs)]
         if any(cell_of(r).lr for r in t1):
             parts += ["### Table 1 cells at a shared learning rate chosen on validation (`tune.py`; "
                       "beside the same cell at the HPARAMS rate)", chosen_rate_table(t1)]
     if f1:
         parts += ["### Figure 1 points (record level, FC1 personal; T1: the Table 1 cell at ε = 1)",
-                  figure1_points(f1, t1, res / "runs")]
+                  figure1_points(f1, t1, runs)]
         figure1(f1, t1, res / "figure1.png", rule_rows)
         if any(_at_rates_chosen(r) for r in f1):
             parts += ["### Figure 1 points at learning rates chosen on validation (record level, FC1 personal; "
                       "T1: the ε = 1 cell of `table1.csv` or `table1_personal.csv`)",
-                      validated_rate_points(f1, t1, rule_rows, res / "runs")]
+                      validated_rate_points(f1, t1, rule_rows, runs)]
     if t2:
         parts += ["### Table 2 (which layers are personal; n = 128, ε = 1, δ = 1e-4; FC2 always shared)",
                   table2(t2)]
@@ -587,7 +590,7 @@ def main() -> int:
         parts += ["### Joint DP with settings chosen on validation (more layers personal, personal "
                   "learning rate, moving average, adaptation to the owner's records, translated training images; ε = 1, δ = 1e-4; "
                   "`tuning.csv`)",
-                  personal_rule_table(rule_rows, t1, res / "runs")]
+                  personal_rule_table(rule_rows, t1, runs)]
     inter = read_rows(res / "table1_interleaved.csv")
     if inter:
         parts += ["### Joint-DP with interleaved personal layers (the paper's Algorithm 1; "

@@ -75,7 +75,8 @@ def histogram(values: list[int]) -> dict[str, int]:
 
 def run_one(name: str, alpha: float, args: argparse.Namespace, seed: int = 0) -> dict:
     """One run; seed ``k`` uses model seed ``k`` and noise seed ``--noise-seed + k``."""
-    rc = {"model-seed": seed, "dataset": args.dataset, "data-dir": args.data_dir, "alpha": alpha, "budget-rounds": args.budget_rounds,
+    rc = {"report-batch-stats": True,  # its histograms below; not DP (reproduction only)
+          "model-seed": seed, "dataset": args.dataset, "data-dir": args.data_dir, "alpha": alpha, "budget-rounds": args.budget_rounds,
           "batch-size": args.batch_size, "local-steps": args.local_steps, "max-writers": args.max_subjects,
           "learning-rate": args.learning_rate, "eval-every": args.eval_every,
           "evaluate-on": args.evaluate_on, "noise-seed": args.noise_seed + seed, **RUNS[name]}

@@ -3,7 +3,8 @@
     python examples/subject_dp/report.py [--dataset shakespeare]
 
 Reads ``results/subject_dp/<dataset>.csv`` and ``runs/*.json`` (written by
-``femnist.py`` / ``shakespeare.py``) and draws, beside them (Shakespeare files
+``femnist.py`` / ``shakespeare.py``; without a ``runs/`` folder, from the committed
+``runs.tar.gz``) and draws, beside them (Shakespeare files
 are prefixed ``shakespeare_``):
 
 - ``accuracy_rounds.png``: test accuracy over rounds of every run at alpha = 1 (seed 0);
@@ -43,6 +44,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from flwr_jdp.reproduce.results_csv import write_csv  # noqa: E402
+from flwr_jdp.reproduce.runs_archive import runs_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -378,11 +380,12 @@ def main() -> None:
     prefix = "" if args.dataset == "femnist" else f"{args.dataset}_"
     rows = aggregate([r for r in csv.DictReader((folder / f"{args.dataset}.csv").open())
                       if r["evaluate_on"] == "test"])
-    runs = load_runs(folder / "runs", args.dataset)
+    run_dir = runs_folder(folder)  # folder/runs, or the same folder from folder/runs.tar.gz
+    runs = load_runs(run_dir, args.dataset)
     plot_accuracy(runs, folder / f"{prefix}accuracy_rounds.png", TITLES[args.dataset])
     plot_histograms(runs, folder / f"{prefix}batch_histograms.png", TITLES[args.dataset])
     plot_alpha(rows, folder / f"{prefix}alpha_sweep.png")
-    choice, rates, methods = write_choices(folder / "runs", folder) if args.dataset == "femnist" else ([], [], [])
+    choice, rates, methods = write_choices(run_dir, folder) if args.dataset == "femnist" else ([], [], [])
     if methods:
         plot_alpha(chosen_rows(methods, rates), folder / "alpha_sweep_chosen.png")
     cols = ["run", "alpha", "accounting", "inclusion", "rounds", "noise_multiplier", "epsilon", "unit",

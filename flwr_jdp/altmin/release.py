@@ -1,4 +1,4 @@
-"""The Gaussian releases of Priv-AltMin and their ledger events (one place).
+"""The Gaussian releases of Priv-AltMin and their ledger events.
 
 Every release adds noise of standard deviation ``z * S`` to a sum whose L2
 sensitivity (user level, add/remove one user) is ``S``; the ledger records
@@ -7,6 +7,11 @@ i.i.d. ``N(0, (z S)^2)`` on the upper triangle including the diagonal, mirrored
 below. The released matrix is a function of its upper triangle, whose L2
 sensitivity is at most the Frobenius sensitivity ``S`` of the matrix, so this is
 the Gaussian mechanism with multiplier ``z``.
+
+The noise and the event come from one mechanism object of
+:mod:`flwr_jdp.privacy.mechanisms` (:class:`GaussianSumMechanism` for a vector,
+:class:`SymmetricGaussianMechanism` for a symmetric matrix; unit: user):
+:class:`GaussianRelease` only names the release and skips the draw when ``z = 0``.
 
 Replace-one adjacency (the paper's) changes a sum by up to ``2 S`` in general; pass
 ``2 S`` as the sensitivity to protect against replacement.
@@ -19,14 +24,18 @@ from dataclasses import dataclass
 import dp_accounting as dpa
 import numpy as np
 
+from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, SymmetricGaussianMechanism, wigner
+
 
 @dataclass(frozen=True)
 class GaussianRelease:
-    """``sum + N(0, (z S)^2)`` per entry (vector) or per upper-triangle entry (``symmetric``)."""
+    """``sum + N(0, (z S)^2)`` per entry (vector) or per upper-triangle entry
+    (``symmetric``), through :attr:`mechanism`; ``secure``: noise from the OS CSPRNG."""
 
     noise_multiplier: float
     sensitivity: float
     symmetric: bool = False
+    secure: bool = False
 
     def __post_init__(self) -> None:
         if self.noise_multiplier < 0:
@@ -35,24 +44,25 @@ class GaussianRelease:
             raise ValueError("sensitivity must be a positive finite number")
 
     @property
+    def mechanism(self) -> GaussianSumMechanism:
+        """The mechanism that adds this release's noise and states its event."""
+        kind = SymmetricGaussianMechanism if self.symmetric else GaussianSumMechanism
+        return kind(float(self.noise_multiplier), float(self.sensitivity), 1.0, secure=self.secure, unit="user")
+
+    @property
     def std(self) -> float:
-        return self.noise_multiplier * self.sensitivity
+        return self.mechanism.sum_noise_std
 
     def event(self) -> dpa.DpEvent:
-        return dpa.GaussianDpEvent(float(self.noise_multiplier))
+        return self.mechanism.event()
 
     def noise(self, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-        if not self.symmetric:
-            return rng.normal(0.0, self.std, size=shape)
-        return wigner(shape[0], self.std, rng)
+        return self.mechanism.noise_numpy(shape, rng)
 
     def release(self, total: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         if self.noise_multiplier == 0:
             return np.array(total, dtype=np.float64)
-        return np.asarray(total, dtype=np.float64) + self.noise(total.shape, rng)
+        return self.mechanism.release_numpy([np.asarray(total, dtype=np.float64)], rng)[0]
 
 
-def wigner(size: int, std: float, rng: np.random.Generator) -> np.ndarray:
-    """Symmetric matrix with i.i.d. ``N(0, std^2)`` entries on and above the diagonal."""
-    upper = np.triu(rng.normal(0.0, std, size=(size, size)))
-    return upper + np.triu(upper, 1).T
+__all__ = ["GaussianRelease", "wigner"]

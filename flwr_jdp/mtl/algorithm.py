@@ -82,10 +82,13 @@ class MTLConfig:
 
 
 class MeanServer:
-    """The trusted aggregator: samples tasks and releases the noisy mean."""
+    """The trusted aggregator: samples tasks and releases the noisy mean through
+    ``release.mechanism(secure)`` (:class:`~flwr_jdp.privacy.mechanisms.GaussianSumMechanism`),
+    whose event is the one the ledger records. ``secure``: noise from the OS CSPRNG."""
 
-    def __init__(self, release: MeanRelease, rng: np.random.Generator) -> None:
+    def __init__(self, release: MeanRelease, rng: np.random.Generator, secure: bool = False) -> None:
         self.release, self.rng = release, rng
+        self.mechanism = release.mechanism(secure)
 
     def sample(self, task_ids: list[int]) -> list[int]:
         """Poisson sampling at rate ``q`` (all tasks when ``q = 1``)."""
@@ -95,11 +98,12 @@ class MeanServer:
         return [k for k, kept in zip(task_ids, keep) if kept]
 
     def noisy_mean(self, total: np.ndarray) -> np.ndarray:
-        """``w~ = total / D + N(0, sigma^2 I)`` (Algorithm 1, line 8)."""
-        mean = total / self.release.denominator
-        if self.release.sigma > 0:
-            mean = mean + self.rng.normal(0.0, self.release.sigma, size=mean.shape)
-        return mean
+        """``w~ = (total + N(0, (z B)^2 I)) / D``, i.e. ``total / D + N(0, sigma^2 I)``
+        (Algorithm 1, line 8). Non-private (``z = 0``): ``total / D``, no draw."""
+        mech = self.mechanism
+        if mech.noise_multiplier == 0:
+            return total / mech.denominator
+        return mech.release_numpy([np.asarray(total, dtype=np.float64)], self.rng)[0]
 
 
 def task_round(w: np.ndarray, mean: np.ndarray, task: TaskData, model: LinearModel,

@@ -43,6 +43,7 @@ import dp_accounting as dpa
 from flwr_jdp.privacy import events as ev
 from flwr_jdp.privacy.accountants import epsilon as event_epsilon
 from flwr_jdp.privacy.calibration import calibrate
+from flwr_jdp.privacy.mechanisms import GaussianSumMechanism
 
 CALIBRATIONS = ("paper", "tight")
 
@@ -106,9 +107,18 @@ class MeanRelease:
         """``z = sigma D / B``: noise std over the add/remove sensitivity of the sum."""
         return self.sigma * self.denominator / self.radius
 
+    def mechanism(self, secure: bool = False) -> GaussianSumMechanism:
+        """The release as a mechanism (unit: one task): the sum of ball-projected
+        models, sensitivity ``B`` (add/remove; the ledger's relation says whether
+        ``2 B`` applies), noise ``N(0, (z B)^2 I)``, divided by ``D``; its noise std
+        on the mean is ``z B / D = sigma``. :class:`MeanServer` adds this noise and
+        :meth:`exact_event` is this mechanism's event."""
+        return GaussianSumMechanism(self.noise_multiplier, self.radius, self.denominator,
+                                    secure=secure, unit="task")
+
     def exact_event(self) -> dpa.DpEvent:
-        """The release as it is (one round)."""
-        inner = ev.gaussian(self.noise_multiplier)
+        """The release as it is (one round): :meth:`mechanism`'s event."""
+        inner = self.mechanism().event()
         if self.sample_rate < 1.0:
             inner = dpa.PoissonSampledDpEvent(float(self.sample_rate), inner)
         return inner
@@ -118,7 +128,7 @@ class MeanRelease:
         mode; in ``paper`` mode the Gaussian with half the multiplier, whose RDP is
         Theorem 1's (the paper's Lemma 1 constant)."""
         if self.mode == "paper":
-            return ev.gaussian(self.noise_multiplier / 2.0)
+            return ev.gaussian(self.mechanism().noise_multiplier / 2.0)
         return self.exact_event()
 
     def epsilon(self, rounds: int, delta: float, accountant: str = "pld", exact: bool = False) -> float:

@@ -90,4 +90,46 @@ def audit_sum_mechanism(
     return epsilon_lower_bound(without - shift, with_c - shift, delta, thresholds, alpha)
 
 
-__all__ = ["AuditResult", "audit_sum_mechanism", "clopper_pearson", "epsilon_lower_bound"]
+def audit_two_run(
+    release: Callable[[bool], float],
+    trials: int,
+    delta: float,
+    thresholds: Sequence[float],
+    alpha: float = 0.05,
+) -> AuditResult:
+    """Two-run canary audit of any release, through whatever code produces it.
+
+    ``release(with_canary)`` runs the mechanism under test once, on ``D`` (False)
+    or on ``D'`` = ``D`` plus the canary unit (True), with fresh noise, and returns
+    one scalar of the *released* output (e.g. its projection on the canary's
+    direction, scaled so that the canary moves it by about 1). It is called
+    ``trials`` times on each side, all ``D`` runs first; each side's runs must be
+    independent of one another. The thresholds must be fixed before the runs (they
+    are the Bonferroni family of :func:`epsilon_lower_bound`). The result is a
+    lower bound on the epsilon of one call at ``delta``, valid with probability at
+    least ``1 - alpha``: a release that is (epsilon, delta)-DP with respect to
+    adding the canary gives a bound above epsilon with probability at most alpha.
+    """
+    if trials < 1:
+        raise ValueError("trials must be >= 1")
+    without = np.array([float(release(False)) for _ in range(trials)])
+    with_c = np.array([float(release(True)) for _ in range(trials)])
+    if not (np.all(np.isfinite(without)) and np.all(np.isfinite(with_c))):
+        raise ValueError("the release gave a non-finite statistic")
+    return epsilon_lower_bound(without, with_c, delta, thresholds, alpha)
+
+
+def max_certifiable_epsilon(trials: int, num_thresholds: int, delta: float = 0.0,
+                            alpha: float = 0.05) -> float:
+    """The largest bound :func:`epsilon_lower_bound` can give with ``trials`` runs a
+    side and ``num_thresholds`` thresholds (no false positive, every true positive):
+    the audit's ceiling, whatever the mechanism. A mutant is only caught if the
+    claim lies below it."""
+    a = alpha / (2 * num_thresholds)
+    _, fpr_hi = clopper_pearson(0, trials, a)
+    tpr_lo, _ = clopper_pearson(trials, trials, a)
+    return math.log((tpr_lo - delta) / fpr_hi)
+
+
+__all__ = ["AuditResult", "audit_sum_mechanism", "audit_two_run", "clopper_pearson", "epsilon_lower_bound",
+           "max_certifiable_epsilon"]

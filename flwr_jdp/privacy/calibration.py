@@ -8,6 +8,7 @@ target is reached at the lower end of the search range.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import dp_accounting as dpa
@@ -17,6 +18,14 @@ from .accountants import PLD_COARSE_DISCRETIZATION, PLD_DISCRETIZATION, epsilon
 #: Smallest noise multiplier calibration will return.
 MIN_NOISE_MULTIPLIER = 0.05
 MAX_NOISE_MULTIPLIER = 1e4
+
+
+def pld_grid(target_epsilon: float) -> float:
+    """The PLD loss grid calibration settles on for ``target_epsilon``: the
+    ledger's (:data:`~.accountants.PLD_DISCRETIZATION`) up to epsilon 10, above
+    it ``ceil(epsilon)`` times coarser (see :func:`calibrate`)."""
+    scale = 1.0 if target_epsilon <= 10 else float(math.ceil(target_epsilon))
+    return PLD_DISCRETIZATION * scale
 
 
 def calibrate(
@@ -41,8 +50,17 @@ def calibrate(
     """
     if target_epsilon <= 0:
         raise ValueError(f"target epsilon must be > 0, got {target_epsilon}")
+    # Large targets mean small noise multipliers, whose privacy-loss distributions
+    # span a range that grows as 1/z**2: on a fixed grid one PLD then takes minutes.
+    # Above epsilon 10 the grids are a whole multiple of the ledger's, growing with
+    # the target (:func:`pld_grid`; at epsilon 1000 the interval is 0.1, a relative
+    # precision of 1e-4). A pessimistic PLD on a grid that is a multiple of another
+    # rounds every loss up at least as far, so the ledger's epsilon is at most the
+    # one calibrated here.
+    fine_grid = pld_grid(target_epsilon)
+    coarse_grid = PLD_COARSE_DISCRETIZATION * fine_grid / PLD_DISCRETIZATION
 
-    def eps_with(backend: str, discretization: float = PLD_DISCRETIZATION) -> Callable[[float], float]:
+    def eps_with(backend: str, discretization: float = fine_grid) -> Callable[[float], float]:
         if backend == "rdp" and relation == "replace-one":
             backend = "pld"  # RDP has no replace-one bound for sampled events
 
@@ -55,7 +73,7 @@ def calibrate(
     if accountant != "pld":
         return _bisect(eps_with(accountant), eps_with("rdp"), target_epsilon, rel_tol)
     # Stage 1: the coarse grid, to a tighter tolerance so stage 2 rarely moves.
-    coarse = _bisect(eps_with("pld", PLD_COARSE_DISCRETIZATION), eps_with("rdp"),
+    coarse = _bisect(eps_with("pld", coarse_grid), eps_with("rdp"),
                      target_epsilon, rel_tol / 4.0)
     # Stage 2: the ledger's grid, bracketing around the coarse answer.
     eps = eps_with("pld")
@@ -63,7 +81,8 @@ def calibrate(
     while eps(hi) > target_epsilon:  # the fine grid is tighter, so this is rare
         hi *= 1.01
         if hi > MAX_NOISE_MULTIPLIER:
-            raise ValueError("target epsilon is unreachable with noise multiplier <= 1e4")
+            raise ValueError(f"target epsilon {target_epsilon:g} is unreachable with a noise "
+                             f"multiplier <= {MAX_NOISE_MULTIPLIER:g}")
     if eps(hi) >= (1.0 - rel_tol) * target_epsilon or hi <= MIN_NOISE_MULTIPLIER:
         return hi
     lo = hi * 0.99
@@ -81,7 +100,8 @@ def _bisect(eps: Callable[[float], float], rdp_eps: Callable[[float], float],
     while rdp_eps(hi) > target_epsilon:
         hi *= 2.0
         if hi > MAX_NOISE_MULTIPLIER:
-            raise ValueError("target epsilon is unreachable with noise multiplier <= 1e4")
+            raise ValueError(f"target epsilon {target_epsilon:g} is unreachable with a noise "
+                             f"multiplier <= {MAX_NOISE_MULTIPLIER:g}")
     while eps(hi) > target_epsilon:  # only if PLD > RDP (never expected)
         hi *= 1.25
     lo = hi / 2.0

@@ -86,6 +86,7 @@ class AgreedRelease:
     budget: float
     delta: float
     accountant: str
+    neighbouring: str = "add-remove"
 
     def event(self, instruction: Instruction) -> dpa.DpEvent:
         """The owner's release event under ``instruction``."""
@@ -111,7 +112,7 @@ class AgreedRelease:
                 return f"noise multiplier {z:.6g} is below the agreed noise-multiplier {self.fixed_noise:.6g}"
             return None
         whole = dpa.SelfComposedDpEvent(self.event(instruction), self.rounds)
-        spent = epsilon(whole, self.delta, self.accountant)
+        spent = epsilon(whole, self.delta, self.accountant, self.neighbouring)
         if spent > self.budget * (1 + TOLERANCE):
             return (f"noise multiplier {z:.6g} is too small: {self.rounds} rounds of it would spend "
                     f"epsilon {spent:.4f} > the owner's budget {self.budget:g} at delta {self.delta:g}")
@@ -129,7 +130,7 @@ def agreed_release(cfg: JobConfig, size: OwnerSize, max_epsilon: float | None = 
         unit=cfg.unit, max_sample_rate=float(schedule.owner_rates[0]),
         max_steps=int(schedule.owner_steps[0]), fixed_noise=float(cfg.noise_multiplier),
         rounds=int(cfg.num_rounds), budget=float(budget), delta=float(cfg.delta),
-        accountant=cfg.accountant,
+        accountant=cfg.accountant, neighbouring=cfg.neighbouring,
     )
 
 
@@ -141,15 +142,16 @@ class OwnerLedger:
     ``state-dir``), recorded and saved *before* the release leaves the owner."""
 
     def __init__(self, budget: float, delta: float, accountant: str, unit: str,
-                 state: dict[str, Any] | None = None) -> None:
-        self.ledger = PrivacyLedger(delta=delta, accountant=accountant, unit=unit, budget=budget)
+                 state: dict[str, Any] | None = None, neighbouring: str = "add-remove") -> None:
+        self.ledger = PrivacyLedger(delta=delta, accountant=accountant, unit=unit, budget=budget,
+                                    neighbouring=neighbouring)
         if state:
             self.ledger.load_state_dict(state)
 
     @classmethod
     def from_json(cls, text: str | None, agreed: AgreedRelease, unit: str) -> OwnerLedger:
         return cls(agreed.budget, agreed.delta, agreed.accountant, unit,
-                   json.loads(text) if text else None)
+                   json.loads(text) if text else None, agreed.neighbouring)
 
     def to_json(self) -> str:
         return json.dumps(self.ledger.state_dict())

@@ -114,8 +114,9 @@ def calibrate_schedule(cfg: JobConfig, schedule: Schedule) -> float:
     """Smallest noise multiplier keeping the whole run within ``target-epsilon``.
 
     Many owners may have distinct (rate, steps); the bisection runs on the few
-    worst by RDP, then every distinct event is checked with the configured
-    accountant, adding any that still exceeds the target and repeating.
+    worst by RDP (add/remove; only a ranking), then every distinct event is checked
+    with the configured accountant under the configured ``neighbouring`` relation,
+    adding any that still exceeds the target and repeating.
     """
     def all_events(z: float) -> list[dpa.DpEvent]:
         return schedule.run_events(cfg, z, cfg.num_rounds)
@@ -129,9 +130,11 @@ def calibrate_schedule(cfg: JobConfig, schedule: Schedule) -> float:
         z = calibrate(
             cfg.target_epsilon, cfg.delta,
             lambda s: [all_events(s)[i] for i in sorted(chosen)], cfg.accountant,
+            relation=cfg.neighbouring,
         )
         over = [i for i, e in enumerate(all_events(z))
-                if epsilon(e, cfg.delta, cfg.accountant) > cfg.target_epsilon * (1 + 1e-9)]
+                if epsilon(e, cfg.delta, cfg.accountant, cfg.neighbouring)
+                > cfg.target_epsilon * (1 + 1e-9)]
         if not over:
             return z
         chosen.update(over)

@@ -43,6 +43,7 @@ import dp_accounting as dpa
 import numpy as np
 
 from . import events as ev
+from .mechanisms import GaussianSumMechanism, LaplaceSumMechanism
 
 #: Winsorization radius in units of the concentration radius tau (see above).
 RADIUS_FACTOR = 2.5
@@ -119,6 +120,13 @@ class WinsorizedMean:
         Apply the randomized Hadamard rotation (Algorithm 3) for ``d > 1``.
     beta : float
         Failure probability used for the rotated radius.
+    secure : bool
+        Draw the noise of both releases from the OS CSPRNG (the rotation's signs
+        are public randomness and still come from the generator).
+
+    Both releases are mechanisms of :mod:`flwr_jdp.privacy.mechanisms`
+    (:meth:`range_mechanism`, :meth:`mean_mechanism`: unit, sensitivity and noise
+    in one place); :meth:`events` are those mechanisms' events.
     """
 
     bound: float
@@ -128,6 +136,7 @@ class WinsorizedMean:
     kind: str = "gaussian"
     rotate: bool = True
     beta: float = 0.01
+    secure: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("gaussian", "laplace"):
@@ -136,11 +145,30 @@ class WinsorizedMean:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
-    def events(self) -> list[dpa.DpEvent]:
-        """The two releases as DpEvents (noise multipliers w.r.t. their sensitivity)."""
+    def _mechanism(self, noise_multiplier: float, l1: float, l2: float,
+                   denominator: float) -> GaussianSumMechanism | LaplaceSumMechanism:
+        """Laplace with L1 sensitivity ``l1`` or Gaussian with L2 sensitivity ``l2``."""
         if self.kind == "laplace":
-            return [dpa.LaplaceDpEvent(self.range_noise), dpa.LaplaceDpEvent(self.mean_noise)]
-        return [ev.gaussian(self.range_noise), ev.gaussian(self.mean_noise)]
+            return LaplaceSumMechanism(noise_multiplier, l1, denominator, secure=self.secure, unit="user")
+        return GaussianSumMechanism(noise_multiplier, l2, denominator, secure=self.secure, unit="user")
+
+    def range_mechanism(self, dims: int) -> GaussianSumMechanism | LaplaceSumMechanism:
+        """Release 1: the ``(dims, bins)`` counts. Replacing one user moves ``2 dims``
+        counts by one: L1 sensitivity ``2 dims``, L2 ``sqrt(2 dims)``."""
+        return self._mechanism(self.range_noise, 2.0 * dims, math.sqrt(2.0 * dims), 1.0)
+
+    def mean_mechanism(self, radius: float, dims: int, n: int) -> GaussianSumMechanism | LaplaceSumMechanism:
+        """Release 2: the sum of ``n`` users' values winsorized to ``centre +- radius``
+        per coordinate, divided by ``n``. Replacing one user moves each coordinate of
+        the sum by at most ``width = 2 radius``: L1 ``width dims``, L2 ``width sqrt(dims)``."""
+        width = 2.0 * radius
+        return self._mechanism(self.mean_noise, width * dims, width * math.sqrt(dims), float(n))
+
+    def events(self) -> list[dpa.DpEvent]:
+        """The two releases as DpEvents: the events of :meth:`range_mechanism` and
+        :meth:`mean_mechanism`, which depend on the noise multipliers only (the
+        sensitivities scale the noise, not the event)."""
+        return [self.range_mechanism(1).event(), self.mean_mechanism(1.0, 1, 1).event()]
 
     def event(self) -> dpa.DpEvent:
         """Both releases composed: what one estimate costs (user level)."""
@@ -163,14 +191,8 @@ class WinsorizedMean:
         dims = x.shape[1]
         centre = self._range(x, bound, tau, rng)
         radius = RADIUS_FACTOR * tau
-        mean = clipped_average(x, centre, radius)
-        width = 2.0 * radius
-        if self.kind == "laplace":
-            scale = self.mean_noise * width * dims / n  # L1 sensitivity
-            mean = mean + rng.laplace(0.0, scale, size=dims)
-        else:
-            std = self.mean_noise * width * math.sqrt(dims) / n  # L2 sensitivity
-            mean = mean + rng.normal(0.0, std, size=dims)
+        total = clipped_sum(x, centre, radius)
+        mean = self.mean_mechanism(radius, dims, n).release_numpy([total], rng)[0]
         if rotation is not None:
             mean = rotation.invert(mean)[0]
         return mean[0] if scalar else mean
@@ -178,11 +200,7 @@ class WinsorizedMean:
     def _range(self, x: np.ndarray, bound: float, tau: float, rng: np.random.Generator) -> np.ndarray:
         """Noisy-histogram approximate median per coordinate (Algorithm 1)."""
         edges, counts = histogram(x, bound, tau)
-        dims = counts.shape[0]
-        if self.kind == "laplace":
-            counts = counts + rng.laplace(0.0, self.range_noise * 2.0 * dims, size=counts.shape)
-        else:
-            counts = counts + rng.normal(0.0, self.range_noise * math.sqrt(2.0 * dims), size=counts.shape)
+        counts = self.range_mechanism(counts.shape[0]).release_numpy([counts], rng)[0]
         best = counts.argmax(axis=1)
         return 0.5 * (edges[best] + edges[best + 1])
 
@@ -204,11 +222,17 @@ def histogram(x: np.ndarray, bound: float, tau: float) -> tuple[np.ndarray, np.n
     return edges, counts
 
 
+def clipped_sum(x: np.ndarray, centre: np.ndarray, radius: float) -> np.ndarray:
+    """Per-coordinate winsorized sum: values clipped to ``centre +- radius``.
+    Replacing one user moves it by at most ``2 radius`` per coordinate."""
+    x = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
+    return np.clip(x, centre - radius, centre + radius).sum(axis=0)
+
+
 def clipped_average(x: np.ndarray, centre: np.ndarray, radius: float) -> np.ndarray:
     """Per-coordinate winsorized average: values clipped to ``centre +- radius``.
     Replacing one of ``n`` users moves it by at most ``2 radius / n`` per coordinate."""
-    x = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
-    return np.clip(x, centre - radius, centre + radius).mean(axis=0)
+    return clipped_sum(x, centre, radius) / len(x)
 
 
 def clipped_gaussian_mean(values: np.ndarray, bound: float, noise_multiplier: float,
@@ -221,9 +245,10 @@ def clipped_gaussian_mean(values: np.ndarray, bound: float, noise_multiplier: fl
     x = x.reshape(len(x), -1)
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     x = x * np.minimum(1.0, bound / np.maximum(norms, 1e-300))
-    mean = x.mean(axis=0) + rng.normal(0.0, noise_multiplier * 2.0 * bound / len(x), size=x.shape[1])
+    mech = GaussianSumMechanism(noise_multiplier, 2.0 * bound, float(len(x)), unit="user")
+    mean = mech.release_numpy([x.sum(axis=0)], rng)[0]
     return mean[0] if scalar else mean
 
 
 __all__ = ["RADIUS_FACTOR", "RandomRotation", "WinsorizedMean", "clipped_average",
-           "clipped_gaussian_mean", "hadamard", "histogram", "rotated_radius"]
+           "clipped_gaussian_mean", "clipped_sum", "hadamard", "histogram", "rotated_radius"]

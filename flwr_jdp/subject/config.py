@@ -45,6 +45,10 @@ class SubjectDPConfig:
     evaluate_on: str = "test"  # test | validation (tuning)
     results_dir: str = "results/subject_dp/run"
     resume: bool = True  # continue an unfinished run with the same configuration in results-dir
+    #: Reproduction only: each silo also sends its per-batch group sizes and numbers
+    #: of distinct subjects every round. They are data-dependent and NOT DP, so the
+    #: default is off (the server then receives only the DP model releases).
+    report_batch_stats: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, allowed: str) -> None:

@@ -254,7 +254,8 @@ def train_owner_round(
         after = get_arrays(model, split.shared)
         delta = clip_numpy([after[n] - before[n] for n in split.shared], cfg.clipping_norm)
         if cfg.placement is NoisePlacement.LOCAL:
-            mech = GaussianSumMechanism(plan.noise_multiplier, cfg.clipping_norm, 1.0)
+            mech = GaussianSumMechanism(plan.noise_multiplier, cfg.clipping_norm, 1.0,
+                                        secure=cfg.secure_noise)
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
             delta = mech.release_numpy(delta, numpy_rng(seed))
         return dict(zip(split.shared, delta, strict=False)), loss
@@ -266,14 +267,16 @@ def train_owner_round(
                            augment_shift=cfg.augment_shift)
         sums, _ = clipped_gradient_sum(model, split, data.x_train, data.y_train,
                                        user_ids=user_ids, clipping_norm=cfg.clipping_norm,
-                                       sample_rate=plan.sample_rate, generator=generator)
+                                       sample_rate=plan.sample_rate, generator=generator,
+                                       secure_noise=cfg.secure_noise)
         return dict(zip(split.shared, sums, strict=False)), loss
 
     loss = train_dp_sgd(model, split, data.x_train, data.y_train, user_ids=user_ids,
                         noise_multiplier=plan.noise_multiplier,
                         clipping_norm=cfg.clipping_norm, sample_rate=plan.sample_rate,
                         steps=plan.steps, lr=cfg.learning_rate,
-                        personal_lr=cfg.personal_learning_rate, generator=generator)
+                        personal_lr=cfg.personal_learning_rate, generator=generator,
+                        secure_noise=cfg.secure_noise)
     return dict(get_arrays(model, split.shared)), loss
 
 
@@ -286,11 +289,12 @@ def _decoupled_release(model: nn.Module, split: ParamSplit, data: OwnerData, cfg
     if release_kind(cfg) == protocol.KIND_GRAD_SUM:
         sums, _ = clipped_gradient_sum(model, split, data.x_train, data.y_train,
                                        user_ids=user_ids, clipping_norm=cfg.clipping_norm,
-                                       sample_rate=plan.sample_rate, generator=generator)
+                                       sample_rate=plan.sample_rate, generator=generator,
+                                       secure_noise=cfg.secure_noise)
         return dict(zip(split.shared, sums, strict=False)), float("nan")
     loss = train_dp_sgd(model, split, data.x_train, data.y_train, user_ids=user_ids,
                         noise_multiplier=plan.noise_multiplier,
                         clipping_norm=cfg.clipping_norm, sample_rate=plan.sample_rate,
                         steps=plan.steps, lr=cfg.learning_rate, personal_lr=0.0,
-                        generator=generator)
+                        generator=generator, secure_noise=cfg.secure_noise)
     return dict(get_arrays(model, split.shared)), loss

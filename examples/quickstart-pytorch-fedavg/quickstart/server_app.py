@@ -1,0 +1,18 @@
+"""The ServerApp: FedAvg over the nodes."""
+
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+from quickstart.task import Net
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    strategy = FedAvg(fraction_evaluate=1.0)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()),
+                            num_rounds=context.run_config["num-server-rounds"],
+                            train_config=ConfigRecord({"lr": context.run_config["learning-rate"]}))
+    print(f"final evaluation: {result.evaluate_metrics_clientapp}")

@@ -1,0 +1,222 @@
+"""An owner's state on its node: personal parameters, their public initial values
+and the owner's own privacy ledger, in ``context.state`` and (node config
+``state-dir``) on the node's own disk.
+
+Personal parameters of owner ``o`` live under ``personal.<o>`` as an ArrayRecord,
+read back at the start of every round and written at its end; nothing here ever
+puts them into a message. ``context.state`` lives as long as the Flower run; a
+SuperNode started with ``state-dir=<path>`` also keeps them in
+``<path>/<session>/personal-<o>.npz`` (never sent; the session id comes with every
+instruction and is kept by the server across restarts), so that after the
+ServerApp is killed and the run resumed the owners continue from their personal
+state. Used by every joint-DP ClientApp, the drop-in client half included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context
+
+from . import protocol
+from .config import JobConfig
+from .privacy.mechanisms import torch_generator
+from .privacy.owner_guard import AgreedRelease, Instruction, InstructionRefused, OwnerLedger, agreed_release
+from .privacy.schedule import OwnerSize
+from .privacy.units import NoisePlacement
+
+
+def personal_key(owner_id: int) -> str:
+    """``context.state`` key of one owner's personal arrays."""
+    return f"personal.{int(owner_id)}"
+
+
+SharedArrays = ArrayRecord | dict[str, np.ndarray] | None
+
+
+def shared_arrays(shared: SharedArrays) -> dict[str, np.ndarray]:
+    """Broadcast shared arrays by name (an ArrayRecord is deserialised once here,
+    so that a message's handler can reuse the result for every owner it hosts)."""
+    if shared is None:
+        return {}
+    if isinstance(shared, ArrayRecord):
+        return dict(zip(shared.keys(), shared.to_numpy_ndarrays(), strict=False))
+    return dict(shared)
+
+
+def shared_digest(shared: SharedArrays) -> str:
+    """Fingerprint of broadcast shared arrays (which global model personal
+    parameters were last fitted against)."""
+    h = hashlib.sha256()
+    for name, arr in shared_arrays(shared).items():
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()[:32]
+
+
+def personal_fit_on(context: Context, owner_id: int, session: str = "") -> str:
+    """Digest of the shared arrays the owner's personal parameters were last
+    fitted against ('' if never)."""
+    if personal_key(owner_id) not in context.state:
+        _restore_from_disk(session, context, owner_id)
+    meta = f"{personal_key(owner_id)}.meta"
+    if meta not in context.state:
+        return ""
+    return str(context.state[meta].get("fit-on", ""))
+
+
+def _state_file(session: str, context: Context, owner_id: int) -> Path | None:
+    """Node-local file of one owner's personal state, if the node keeps one."""
+    root = context.node_config.get("state-dir")
+    if not root or not session or not str(session).isalnum():
+        return None
+    return Path(str(root)) / str(session) / f"personal-{int(owner_id)}.npz"
+
+
+def _restore_from_disk(session: str, context: Context, owner_id: int) -> None:
+    path = _state_file(session, context, owner_id)
+    if path is None or not path.is_file():
+        return
+    meta_keys = ("__trained_rounds__", "__fit_on__")
+    with np.load(path) as npz:
+        arrays = {k: np.asarray(npz[k]) for k in npz.files if k not in meta_keys}
+        rounds = int(npz["__trained_rounds__"]) if "__trained_rounds__" in npz.files else 0
+        fit_on = str(npz["__fit_on__"]) if "__fit_on__" in npz.files else ""
+    context.state[personal_key(owner_id)] = protocol.to_record(arrays)
+    context.state[f"{personal_key(owner_id)}.meta"] = ConfigRecord(
+        {"trained-rounds": rounds, "fit-on": fit_on})
+
+
+def _save_to_disk(session: str, context: Context, owner_id: int, arrays: dict, rounds: int,
+                  fit_on: str = "") -> None:
+    path = _state_file(session, context, owner_id)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "wb") as fh:
+        np.savez(fh, __trained_rounds__=np.int64(rounds), __fit_on__=np.str_(fit_on), **arrays)
+    os.replace(tmp, path)
+
+
+def trained_rounds(context: Context, owner_id: int, session: str = "") -> int:
+    """How many rounds this owner's personal state has been trained (0: fresh)."""
+    if personal_key(owner_id) not in context.state:
+        _restore_from_disk(session, context, owner_id)
+    meta = f"{personal_key(owner_id)}.meta"
+    return int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
+
+
+def _ledger_file(session: str, context: Context, owner_id: int) -> Path | None:
+    """Node-local file of one owner's own privacy ledger, if the node keeps a state-dir."""
+    personal = _state_file(session, context, owner_id)
+    return None if personal is None else personal.with_name(f"ledger-{int(owner_id)}.json")
+
+
+def load_owner_ledger(context: Context, owner_id: int, session: str, agreed: AgreedRelease,
+                      unit: str) -> OwnerLedger:
+    """The owner's own record of its releases: ``context.state`` (every release of
+    this Flower run, whatever session the server names), else the node's
+    ``state-dir`` for this session (after a restart), else empty."""
+    key = f"ledger.{int(owner_id)}"
+    text = None
+    if key in context.state:
+        text = str(context.state[key]["state"])
+    else:
+        path = _ledger_file(session, context, owner_id)
+        if path is not None and path.is_file():
+            text = path.read_text()
+    return OwnerLedger.from_json(text, agreed, unit)
+
+
+def save_owner_ledger(context: Context, owner_id: int, session: str, ledger: OwnerLedger) -> None:
+    """Keep the owner's ledger in ``context.state`` and on the node's disk."""
+    context.state[f"ledger.{int(owner_id)}"] = ConfigRecord({"state": ledger.to_json()})
+    path = _ledger_file(session, context, owner_id)
+    if path is not None:
+        ledger.save(path)
+
+
+def owner_generator(cfg: JobConfig, server_round: int, owner_id: int) -> torch.Generator:
+    """Randomness for sampling and noise: OS CSPRNG unless ``noise-seed`` is set."""
+    seed = cfg.noise_seed_or_none
+    if seed is not None:
+        digest = hashlib.sha256(f"{seed}/{server_round}/{owner_id}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "little") >> 1
+    return torch_generator(seed)
+
+
+def load_personal_arrays(context: Context, owner_id: int, session: str = "") -> dict[str, np.ndarray] | None:
+    """The owner's saved personal arrays by name (``context.state``, else the node's
+    ``state-dir``), or None if it has none yet."""
+    key = personal_key(owner_id)
+    if key not in context.state:
+        _restore_from_disk(session, context, owner_id)
+    if key not in context.state:
+        return None
+    rec = context.state[key]
+    return dict(zip(rec.keys(), rec.to_numpy_ndarrays(), strict=True))
+
+
+def save_personal_arrays(context: Context, owner_id: int, arrays: dict[str, np.ndarray], session: str = "",
+                         *, fit_on: str = "", count_round: bool = True) -> None:
+    """Keep the owner's personal arrays in ``context.state`` (never sent), and on
+    the node's disk if it has a ``state-dir``; count the rounds trained
+    (``count_round``) and record which broadcast they were fitted on (``fit_on``)."""
+    context.state[personal_key(owner_id)] = protocol.to_record(arrays)
+    meta = f"{personal_key(owner_id)}.meta"
+    rounds = int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
+    rounds += int(count_round)
+    context.state[meta] = ConfigRecord({"trained-rounds": rounds, "fit-on": fit_on})
+    _save_to_disk(session, context, owner_id, dict(arrays), rounds, fit_on)
+
+
+def read_instructions(cfg: JobConfig, cfg_rec: ConfigRecord, owners: list[int]) -> dict[int, Instruction]:
+    """Each requested owner's instruction, read strictly: under DP every key must be
+    there, one value per owner (a missing key is refused, never defaulted)."""
+    if not cfg.dp:
+        return {o: Instruction(int(cfg_rec.get(protocol.ROUND, 0)), 1.0, 1, 0.0) for o in owners}
+    missing = [k for k in (protocol.ROUND, protocol.OWNERS, protocol.SAMPLE_RATES, protocol.STEPS,
+                           protocol.NOISE_MULTIPLIER, protocol.SESSION) if k not in cfg_rec]
+    if missing:
+        raise InstructionRefused(f"the train instruction lacks {missing}")
+    wanted = [int(o) for o in cfg_rec[protocol.OWNERS]]
+    rates, steps = list(cfg_rec[protocol.SAMPLE_RATES]), list(cfg_rec[protocol.STEPS])
+    if not len(rates) == len(steps) == len(wanted):
+        raise InstructionRefused(f"{len(wanted)} owners but {len(rates)} sampling rates and "
+                                 f"{len(steps)} step counts")
+    z = float(cfg_rec[protocol.NOISE_MULTIPLIER])
+    rnd = int(cfg_rec[protocol.ROUND])
+    by_owner = {o: Instruction(rnd, float(q), int(n), z) for o, q, n in zip(wanted, rates, steps)}
+    return {o: by_owner[o] for o in owners}
+
+
+def charge_owners(cfg: JobConfig, context: Context, sizes: dict[int, OwnerSize],
+                  instructions: dict[int, Instruction], session: str) -> None:
+    """Local noise: every owner checks its instruction against what it agreed to and
+    against its own ledger, then records the release in its ledger and saves it,
+    before anything is trained. Any refusal refuses the whole message (nothing is
+    recorded, trained or sent)."""
+    if not (cfg.dp and cfg.placement is NoisePlacement.LOCAL):
+        return
+    cap = context.node_config.get("max-epsilon")
+    reasons, ledgers = [], {}
+    for o, instruction in instructions.items():
+        agreed = agreed_release(cfg, sizes[o], None if cap is None else float(cap))
+        reason = agreed.check(instruction)
+        ledger = load_owner_ledger(context, o, session, agreed, cfg.privacy_unit)
+        event = agreed.event(instruction)
+        reason = reason or ledger.check(event)
+        if reason:
+            reasons.append(f"owner {o}: {reason}")
+        ledgers[o] = (ledger, event)
+    if reasons:
+        raise InstructionRefused("; ".join(reasons))
+    for o, (ledger, event) in ledgers.items():
+        ledger.record(instructions[o].server_round, event, note=f"session {session}")
+        save_owner_ledger(context, o, session, ledger)

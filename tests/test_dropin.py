@@ -1,0 +1,303 @@
+"""The drop-in path: a user's own Flower app (examples/quickstart-pytorch: its own
+Net, data loaders, train and test) under JointDP and JointDPClient, in process.
+
+Checks what the drop-in issue asks: each ``start()`` argument honoured or refused
+before spending; no personal value in any reply; the owner's schedule and noise
+from the user's own loop; bad input (personal-layers matching nothing or
+everything, initial arrays that do not match, an empty loader, a non-finite loss,
+a loop that steps twice per batch) each a clear error naming the cause."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.config import flatten_dict
+from flwr_jdp.strategies import JointDP
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from flwr_jdp import protocol
+from flwr_jdp.client import JointDPClient
+from flwr_jdp.config import ConfigError, namespaced_config
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.training.user_loop import private_training
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart-pytorch"
+
+
+@pytest.fixture(scope="module")
+def example():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        from quickstart import client_app, task
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    return client_app, task
+
+
+@pytest.fixture
+def run_config(tmp_path, fashion_mnist_dir):
+    raw = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    cfg = flatten_dict(raw)
+    cfg.update({"data-dir": str(fashion_mnist_dir), "num-records": 1200, "num-server-rounds": 2,
+                "jdp.num-rounds": 2, "jdp.results-dir": str(tmp_path / "run")})
+    return cfg
+
+
+def _start(example, run_config, nodes=3, initial=None, **start_kwargs):
+    client_app, task = example
+    grid = InProcessGrid(client_app.app, nodes, run_config)
+    strategy = JointDP.from_run_config(run_config, node_settle_s=0.0)
+    initial = initial if initial is not None else ArrayRecord(task.Net().state_dict())
+    kwargs = {"num_rounds": run_config["num-server-rounds"],
+              "train_config": ConfigRecord({"lr": run_config["learning-rate"]})}
+    kwargs.update(start_kwargs)
+    result = strategy.start(grid=grid, initial_arrays=initial, **kwargs)
+    return strategy, grid, result
+
+
+def test_the_users_app_trains_under_joint_dp_and_no_personal_value_leaves(example, run_config):
+    strategy, grid, result = _start(example, run_config)
+    ledger_eps = strategy.ledger.epsilon()
+    assert 0 < ledger_eps <= 8.0
+    assert len(strategy.ledger.rounds) == 2
+    assert result.evaluate_metrics_clientapp[2]["owners"] == 3
+    assert result.evaluate_metrics_clientapp[2]["eval_acc"] > 0.2  # 10 classes: chance is 0.1
+    personal_names = {"fc3.weight", "fc3.bias"}
+    stored = []
+    for ctx in grid.contexts.values():
+        rec = ctx.state[f"personal.{ctx.node_config['partition-id']}"]
+        assert set(rec.keys()) == personal_names
+        stored += [a.ravel() for a in rec.to_numpy_ndarrays()]
+    for reply in grid.sent:
+        assert reply.has_content(), reply.error.reason
+        for key, record in reply.content.items():
+            if isinstance(record, ArrayRecord):
+                assert key == "arrays"
+                assert not personal_names & set(record.keys())
+                for arr in record.to_numpy_ndarrays():
+                    for value in stored:  # no personal value hides under a shared name
+                        assert not (arr.size == value.size and np.allclose(arr.ravel(), value))
+
+
+def test_evaluate_fn_train_config_and_the_round_horizon_are_honoured(example, run_config):
+    seen = []
+
+    def evaluate_fn(rnd, arrays):
+        seen.append((rnd, sorted(arrays.keys())))
+        return None
+
+    _start(example, run_config, evaluate_fn=evaluate_fn)
+    assert [r for r, _ in seen] == [0, 1, 2]
+    assert "fc3.weight" not in seen[0][1] and "conv1.weight" in seen[0][1]
+    with pytest.raises(ConfigError, match="num-rounds"):
+        _start(example, run_config, num_rounds=3)  # owners agreed to 2 rounds (local noise)
+
+
+def test_initial_arrays_that_do_not_match_fail_before_any_spending(example, run_config):
+    _, task = example
+    net = task.Net()
+    wrong = {k: v for k, v in net.state_dict().items()}
+    wrong["conv2.weight"] = torch.zeros(16, 6, 3, 3)
+    with pytest.raises(ConfigError, match="conv2.weight"):
+        _start(example, run_config, initial=ArrayRecord(wrong))
+    extra = dict(net.state_dict())
+    extra["bn.running_mean"] = torch.zeros(6)
+    with pytest.raises(ConfigError, match="BatchNorm"):
+        _start(example, run_config, initial=ArrayRecord(extra))
+    assert not (Path(run_config["jdp.results-dir"]) / "ledger.json").exists()
+
+
+@pytest.mark.parametrize("rule,match", [("^nothing\\.", "matches no parameter"), (".", "matches every parameter")])
+def test_personal_layers_matching_nothing_or_everything_fail_at_start(example, run_config, rule, match):
+    run_config["jdp.personal-layers"] = rule
+    with pytest.raises(ConfigError, match=match):
+        _start(example, run_config)
+
+
+def test_namespaced_keys_are_checked_and_named():
+    with pytest.raises(ConfigError, match="jdp.target-epsilon"):
+        namespaced_config({"jdp.target-epsilon": -1.0})
+    with pytest.raises(ConfigError, match="unknown run-config key 'jdp.epsilon'"):
+        namespaced_config({"jdp.epsilon": 1.0})
+    cfg = namespaced_config({"learning-rate": 5.0, "jdp.batch-size": 7})  # the app's own keys are ignored
+    assert cfg.batch_size == 7 and cfg.learning_rate == 0.1
+    assert JointDP(target_epsilon=2.0).cfg.target_epsilon == 2.0
+
+
+# ------------------------------------------------------------ the client half alone
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def _loader(n=40):
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)),
+                      batch_size=8)
+
+
+def _sgd_train(lr=0.1, steps_per_batch=1):
+    def fn(net, loader):
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
+        for x, y in loader:
+            for _ in range(steps_per_batch):
+                opt.zero_grad()
+                nn.functional.cross_entropy(net(x), y).backward()
+                opt.step()
+    return fn
+
+
+def _client_node(run_config, loader=None):
+    app = ClientApp()
+    loader = loader if loader is not None else _loader()
+    jdp = JointDPClient(app, model_fn=Tiny, train_data=lambda ctx: loader)
+    ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 1},
+                  state=RecordDict(), run_config=run_config)
+    return app, jdp, ctx, loader
+
+
+def _setup_and_instruction(app, ctx, z, q, steps, rnd=1):
+    InProcessGrid(app, 1, ctx.run_config)  # stamps message identities
+    net = Tiny()
+    public = {n: p.detach().numpy().copy() for n, p in net.named_parameters() if n.startswith("head.")}
+    query = Message(RecordDict({protocol.CONFIG: ConfigRecord(),
+                                protocol.PUBLIC_PERSONAL: protocol.to_record(public)}),
+                    dst_node_id=7, message_type=MessageType.QUERY)
+    setup = app(query, ctx)
+    assert setup.has_content(), setup.error.reason
+    shared = {n: p.detach().numpy().copy() for n, p in net.named_parameters() if not n.startswith("head.")}
+    cfg = ConfigRecord({protocol.ROUND: rnd, protocol.OWNERS: [0], protocol.SAMPLE_RATES: [q],
+                        protocol.STEPS: [steps], protocol.NOISE_MULTIPLIER: z, protocol.SESSION: "s1"})
+    train = Message(RecordDict({protocol.SHARED: protocol.to_record(shared), protocol.CONFIG: cfg}),
+                    dst_node_id=7, message_type=MessageType.TRAIN)
+    return setup, shared, train
+
+
+RC = {"jdp.personal-layers": "^head\\.", "jdp.batch-size": 8, "jdp.local-epochs": 1, "jdp.num-rounds": 2,
+      "jdp.target-epsilon": 50.0}
+
+
+def test_setup_reports_size_and_model_and_an_empty_loader_is_named():
+    app, _, ctx, _ = _client_node(dict(RC))
+    setup, _, _ = _setup_and_instruction(app, ctx, 1.0, 0.2, 5)
+    rec = setup.content[protocol.SETUP]
+    assert list(rec[protocol.NUM_RECORDS]) == [40] and "body.weight" in list(rec[protocol.PARAM_NAMES])
+    empty = DataLoader(TensorDataset(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long)))
+    app, _, ctx, _ = _client_node(dict(RC), loader=empty)
+    query = Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=7, message_type=MessageType.QUERY)
+    reply = app(query, ctx)
+    assert reply.has_error() and "training data set is empty" in reply.error.reason
+
+
+def test_an_instruction_with_less_noise_than_agreed_is_refused_by_the_owner():
+    app, jdp, ctx, loader = _client_node(dict(RC))
+    _, _, train = _setup_and_instruction(app, ctx, 0.0, 0.2, 5)
+    reply = jdp.train(train, ctx, Tiny(), loader, _sgd_train())
+    assert reply.has_error() and reply.error.reason.startswith("refused:")
+
+
+def test_two_steps_per_batch_and_a_non_finite_loss_are_named():
+    app, jdp, ctx, loader = _client_node(dict(RC))
+    _, _, train = _setup_and_instruction(app, ctx, 2.0, 0.2, 5)
+    reply = jdp.train(train, ctx, Tiny(), loader, _sgd_train(steps_per_batch=2))
+    assert reply.has_error() and "one step per batch" in reply.error.reason
+    app, jdp, ctx, loader = _client_node(dict(RC))
+    _, _, train = _setup_and_instruction(app, ctx, 2.0, 0.2, 5)
+    reply = jdp.train(train, ctx, Tiny(), loader, _sgd_train(lr=float("nan")))
+    assert reply.has_error() and "non-finite" in reply.error.reason
+
+
+def test_reply_holds_only_shared_arrays_and_the_release_takes_the_scheduled_steps():
+    app, jdp, ctx, loader = _client_node(dict(RC))
+    _, shared, train = _setup_and_instruction(app, ctx, 2.0, 0.2, 5)
+    calls = []
+
+    def fn(net, loader_):
+        calls.append(len(loader_))
+        _sgd_train()(net, loader_)
+
+    reply = jdp.train(train, ctx, Tiny(), loader, fn)
+    assert reply.has_content(), reply.error.reason
+    assert set(reply.content.keys()) == {"arrays", "metrics"}
+    assert set(reply.content["arrays"].keys()) == set(shared)
+    assert calls == [5, 5]  # personal fit on the user's loader (5 batches), then 5 DP steps
+    assert int(reply.content["metrics"][protocol.NUM_EXAMPLES]) == 40
+
+
+def test_noise_the_users_optimizer_applies_has_the_ledgers_std():
+    """Zero per-sample gradients (a loss that does not depend on the parameters'
+    values through the data: 0 * output), plain SGD at lr 1: each step moves every
+    shared parameter by -N(0, (z C)^2) / (q N); the ledger's event is
+    PoissonSampled(q, Gaussian(z)) with sensitivity C."""
+    z, clip, q, n, steps = 1.5, 1.0, 0.25, 40, 4
+    net = nn.Sequential(nn.Linear(4, 200), nn.Linear(200, 2))
+    for p in net[1].parameters():
+        p.requires_grad_(False)
+    before = torch.cat([p.detach().ravel().clone() for p in net[0].parameters()])
+
+    def fn(model, loader):
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        for x, _ in loader:
+            opt.zero_grad()
+            (0.0 * model(x).sum()).backward()
+            opt.step()
+
+    with private_training(net, _loader(n), unit_of_record=torch.arange(n), num_units=n, sample_rate=q,
+                          steps=steps, noise_multiplier=z, clipping_norm=clip,
+                          generator=torch.Generator().manual_seed(3)) as (model, loader, record):
+        fn(model, loader)
+    after = torch.cat([p.detach().ravel() for p in net[0].parameters()])
+    moved = (after - before).numpy()
+    expected = z * clip / (q * n) * np.sqrt(steps)
+    assert record.steps_taken == steps
+    assert abs(moved.std() / expected - 1) < 0.1  # 1,000 values: std error ~2%; a 2x cut fails
+
+
+def test_one_record_moves_the_release_by_at_most_lr_c_over_the_expected_batch():
+    """z = 0, q = 1, one step: removing one record moves the shared parameters by
+    at most lr * C / (q N) (the sensitivity through the user's own loop)."""
+    n, clip, lr = 40, 0.5, 0.3
+    loader = _loader(n)
+    x, y = loader.dataset.tensors
+
+    def release(xs, ys):
+        torch.manual_seed(0)
+        net = Tiny()
+        for p in net.head.parameters():
+            p.requires_grad_(False)
+        with private_training(net, DataLoader(TensorDataset(xs, ys), batch_size=8),
+                              unit_of_record=torch.arange(len(ys)), num_units=n, sample_rate=1.0, steps=1,
+                              noise_multiplier=0.0, clipping_norm=clip,
+                              generator=torch.Generator().manual_seed(0)) as (model, pl, _):
+            _sgd_train(lr=lr)(model, pl)
+        return torch.cat([p.detach().ravel() for p in net.body.parameters()])
+
+    full = release(x, y)
+    moves = [float((full - release(torch.cat([x[:i], x[i + 1:]]), torch.cat([y[:i], y[i + 1:]]))).norm())
+             for i in range(5)]
+    assert max(moves) <= lr * clip / n * (1 + 1e-4)
+    assert max(moves) > 0.5 * lr * clip / n  # some record's gradient is clipped to C
+
+
+def test_owner_unit_local_release_is_a_clipped_noised_update():
+    rc = dict(RC, **{"jdp.privacy-unit": "owner"})
+    app, jdp, ctx, loader = _client_node(rc)
+    _, shared, train = _setup_and_instruction(app, ctx, 3.0, 1.0, 1)
+    reply = jdp.train(train, ctx, Tiny(), loader, _sgd_train())
+    assert reply.has_content(), reply.error.reason
+    delta = np.concatenate([a.ravel() for a in reply.content["arrays"].to_numpy_ndarrays()])
+    assert delta.std() > 1.0  # N(0, 3^2) noise on an update clipped to 1
+

@@ -1,0 +1,136 @@
+"""``JointDP.start`` honours Flower's arguments, or refuses them before any privacy is
+spent; a run that cannot make progress ends as failed, never as completed."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, MetricRecord
+from flwr_jdp.apps.client_app import app as client_app
+from flwr_jdp.strategies import JointDP, load_results
+
+from flwr_jdp import protocol
+from flwr_jdp.config import ConfigError, parse_config
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.models import build_model
+from flwr_jdp.params import get_arrays
+from flwr_jdp.privacy.ledger import PrivacyLedger
+
+
+def _start(run_config, fault=None, **kwargs):
+    cfg = parse_config(run_config)
+    grid = InProcessGrid(client_app, 2, run_config, fault=fault)
+    strategy = JointDP(cfg, node_settle_s=0.0)
+    return strategy, strategy.start(grid=grid, **kwargs)
+
+
+def _nothing_spent(run_config):
+    return not (Path(run_config["results-dir"]) / "ledger.json").exists()
+
+
+def _initial_model(run_config):
+    cfg = parse_config(run_config)
+    model = build_model(cfg.model, (1, 8, 8), 10, cfg.norm, cfg.seed)  # digits: 8x8, 10 classes
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def test_num_rounds_is_the_calibration_horizon_under_central_noise(run_config):
+    run_config.update({"noise-placement": "central", "noise-multiplier": 0.0, "target-epsilon": 3.0,
+                       "num-rounds": 2})
+    strategy, _ = _start(run_config, num_rounds=3)
+    res = load_results(run_config["results-dir"])
+    assert res["status"] == "completed" and [r["round"] for r in res["history"]] == [1, 2, 3]
+    assert 0.95 * 3.0 <= res["epsilon"] <= 3.0  # calibrated for the 3 rounds it ran
+    assert strategy.cfg.num_rounds == 3
+
+
+def test_num_rounds_other_than_the_owners_horizon_is_refused_under_local_noise(run_config):
+    with pytest.raises(ConfigError, match=r"start\(num_rounds=3\) differs from run-config 'num-rounds'=2"):
+        _start(run_config, num_rounds=3)
+    assert _nothing_spent(run_config)
+
+
+def test_evaluate_fn_is_called_on_the_shared_model_before_and_after_every_round(run_config):
+    seen = []
+
+    def evaluate_fn(server_round, arrays):
+        seen.append((server_round, sorted(arrays.keys())))
+        return MetricRecord({"norm": float(sum(np.linalg.norm(a) for a in arrays.to_numpy_ndarrays()))})
+
+    strategy, result = _start(run_config, evaluate_fn=evaluate_fn)
+    assert [r for r, _ in seen] == [0, 1, 2]
+    assert all(keys == sorted(strategy.spec) for _, keys in seen)  # shared parameters only
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2]
+    history = load_results(run_config["results-dir"])["history"]
+    assert [sorted(r["server_metrics"]) for r in history] == [["norm"], ["norm"]]
+
+
+def test_train_and_evaluate_config_reach_the_clientapp(run_config):
+    seen = {}
+
+    def spy(instruction, reply):
+        seen.setdefault(instruction.metadata.message_type, []).append(
+            dict(instruction.content[protocol.CONFIG]))
+        return reply
+
+    _start(run_config, fault=spy, train_config=ConfigRecord({"my-key": 7}),
+           evaluate_config=ConfigRecord({"other": "x"}))
+    assert all(c["my-key"] == 7 for c in seen["train"])
+    assert all(c["other"] == "x" for c in seen["evaluate"])
+
+
+def test_initial_arrays_shared_part_is_broadcast(run_config):
+    initial = _initial_model(run_config)
+    initial["fc2.bias"] = np.full_like(initial["fc2.bias"], 0.25)  # a shared parameter
+    broadcast = []
+
+    def spy(instruction, reply):
+        if instruction.metadata.message_type == "train":
+            broadcast.append(instruction.content[protocol.SHARED]["fc2.bias"].numpy())
+        return reply
+
+    _start(run_config, fault=spy, initial_arrays=protocol.to_record(initial))
+    assert np.all(broadcast[0] == 0.25)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update({"fc2.weight": np.zeros((3, 3), np.float32)}),
+     r"initial_arrays\['fc2.weight'\] has shape \(3, 3\)"),
+    (lambda a: a.update({"head.weight": np.zeros(3, np.float32)}), "which the ClientApp's model does not have"),
+    (lambda a: a.pop("fc2.weight"), r"lacks the shared parameters \['fc2.weight'\]"),
+    (lambda a: a.update({"fc1.bias": a["fc1.bias"] + 1}), r"initial_arrays\['fc1.bias'\] is a personal parameter"),
+])
+def test_initial_arrays_that_do_not_match_the_clientapp_model_fail_before_spending(run_config, change, message):
+    initial = _initial_model(run_config)
+    change(initial)
+    with pytest.raises(ConfigError, match=message):
+        _start(run_config, initial_arrays=protocol.to_record(initial))
+    assert _nothing_spent(run_config)
+
+
+def test_initial_arrays_of_the_model_itself_are_accepted(run_config):
+    cfg = parse_config(run_config)
+    model = build_model(cfg.model, (1, 8, 8), 10, cfg.norm, cfg.seed)
+    _start(run_config, initial_arrays=protocol.to_record(get_arrays(model, [n for n, _ in model.named_parameters()])))
+    assert load_results(run_config["results-dir"])["status"] == "completed"
+
+
+def test_a_run_without_valid_replies_ends_failed_with_its_epsilon_saved(run_config):
+    run_config.update({"num-rounds": 6, "max-skipped-rounds": 2})
+
+    def corrupt(instruction, reply):
+        if instruction.metadata.message_type == "train":
+            return None  # every train reply is lost
+        return reply
+
+    with pytest.raises(RuntimeError, match=r"2 rounds in a row \(max-skipped-rounds=2\).*no reply"):
+        _start(run_config, fault=corrupt)
+    res = load_results(run_config["results-dir"])
+    assert res["status"] == "failed" and res["rounds_completed"] == 2
+    ledger = PrivacyLedger.load(Path(run_config["results-dir"]) / "ledger.json")
+    assert [r["round"] for r in ledger.rounds] == [1, 2] and res["epsilon"] == ledger.epsilon() > 0
+
+
+def test_max_skipped_rounds_is_validated(run_config):
+    with pytest.raises(ConfigError, match="max-skipped-rounds"):
+        parse_config(dict(run_config, **{"max-skipped-rounds": 0}))
