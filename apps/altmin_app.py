@@ -5,7 +5,7 @@ blocks ``p, p + P, ...`` of the synthetic problem (so 50,000 users fit on, say,
 50 SuperNodes of 1,000 users). It generates its users itself (deterministic in
 the run config), keeps them and their ``v_j`` local, and only sends per-node sums
 of user-level clipped statistics. Run it with ``examples/altmin/`` (a Flower App
-whose components are these objects) or :func:`flwr_jdp.simulation.simulate`
+whose components are these objects) or :func:`research.simulation.simulate`
 (``app="priv-altmin"``).
 """
 
@@ -19,11 +19,11 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
-from flwr_jdp.strategies.priv_altmin import CONFIG, EMBEDDING, METRICS, STATS, PrivAltMin
 
 from flwr_jdp.altmin.algorithm import client_statistics, evaluate_users
 from flwr_jdp.altmin.config import parse_altmin_config
 from flwr_jdp.altmin.problem import ProblemSpec, Users, node_blocks, users_of_blocks
+from flwr_jdp.altmin.protocol import CONFIG, EMBEDDING, METRICS, STATS
 from flwr_jdp.altmin.statistics import init_statistic
 from flwr_jdp.config import ConfigError
 
@@ -39,6 +39,8 @@ def main(grid: Grid, context: Context) -> None:
     except ConfigError as err:
         log(ERROR, "Invalid configuration: %s", err)
         raise
+    from flwr_jdp.strategies import PrivAltMin  # the server side only
+
     PrivAltMin(spec, cfg, extras["results-dir"], extras["noise-seed"]).start(grid)
 
 

@@ -6,7 +6,7 @@ config, or the project's label-skew owners of a real data set, once per
 process), keeps every task's model ``w_k`` in ``context.state``, and sends only
 the ball-projected ``w_k`` of the tasks the server sampled. Personalized models
 (fine-tuned against ``w~``) are computed for evaluation and never sent. Run it
-with ``flwr run examples/mtl`` or :func:`flwr_jdp.simulation.simulate`
+with ``flwr run examples/mtl`` or :func:`research.simulation.simulate`
 (``app="dp-mtl"``).
 """
 
@@ -19,20 +19,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
-from flwr_jdp.strategies.dp_mtl import (
-    CONFIG,
-    MEAN,
-    METRICS,
-    MODELS,
-    SETUP,
-    TASKS,
-    DPMeanRegularizedMTL,
-    task_key,
-)
 
 from flwr_jdp.config import ConfigError
 from flwr_jdp.mtl.algorithm import evaluate_task, task_round
 from flwr_jdp.mtl.config import parse_mtl_config
+from flwr_jdp.mtl.protocol import CONFIG, MEAN, METRICS, MODELS, SETUP, TASKS, task_key
 from flwr_jdp.protocol import hosted_owners
 
 server = ServerApp()
@@ -49,6 +40,8 @@ def main(grid: Grid, context: Context) -> None:
     except (ConfigError, FileNotFoundError) as err:
         log(ERROR, "Invalid configuration: %s", err)
         raise
+    from flwr_jdp.strategies import DPMeanRegularizedMTL  # the server side only
+
     strategy = DPMeanRegularizedMTL(source.num_tasks, num_params, cfg, extras["results-dir"],
                                     extras["noise-seed"], dict(context.run_config),
                                     resume=bool(context.run_config.get("resume", True)))

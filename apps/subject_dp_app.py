@@ -19,17 +19,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
-from flwr_jdp.strategies.subject_dp import (
-    CONFIG,
-    MODEL,
-    SETUP,
-    SILOS,
-    STATS,
-    SubjectLevelFedAvg,
-    load_arrays,
-    model_arrays,
-    silo_key,
-)
 
 from flwr_jdp.config import ConfigError
 from flwr_jdp.privacy.mechanisms import torch_generator
@@ -37,6 +26,7 @@ from flwr_jdp.protocol import hosted_owners
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import parse_subject_config
 from flwr_jdp.subject.group_privacy import group_noise_multiplier
+from flwr_jdp.subject.protocol import CONFIG, MODEL, SETUP, SILOS, STATS, load_arrays, model_arrays, silo_key
 from flwr_jdp.subject.task import build_subject_model
 from flwr_jdp.training.plain import evaluate
 from flwr_jdp.training.subject_level import BatchStats, SiloPlan, train_silo_round
@@ -68,6 +58,8 @@ def main(grid: Grid, context: Context) -> None:
         log(ERROR, "Invalid configuration: %s", err)
         raise
     torch.set_num_threads(1)
+    from flwr_jdp.strategies import SubjectLevelFedAvg  # the server side only
+
     strategy = SubjectLevelFedAvg(cfg, build_subject_model(cfg), test_evaluator(cfg),
                                   dict(context.run_config))
     strategy.start(grid)

@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # research/ is not installed
 
 
 def simulate(app: str, run_config: dict, owners: int) -> dict:
     """One Flower simulation, one owner per SuperNode; wall seconds by phase."""
-    from flwr_jdp.simulation import simulate as run
+    from research.simulation import simulate as run
 
     return run(app, run_config, num_supernodes=owners)
 

@@ -7,6 +7,8 @@ Keys are the Flower run-config keys of ``pyproject.toml`` (``[tool.flwr.app.conf
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, fields
@@ -38,19 +40,15 @@ FINETUNE_LEARNING_RATE = 0.05
 #: Largest allowed ``augment-shift`` (pixels of random translation).
 MAX_AUGMENT_SHIFT = 8
 
-#: Run-config keys added after results were committed, with the value every
-#: earlier run used: a stored config without the key equals one with it at this value.
-ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0, "finetune-epochs": 0,
-                              "finetune-learning-rate": FINETUNE_LEARNING_RATE, "augment-shift": 0,
-                              "validation-source": "carve", "release-personal": "seeded",
-                              "secure-noise": False, "neighbouring": "add-remove",
-                              "max-skipped-rounds": 3}
+#: Run-config keys that do not change what a run computes (left out of
+#: :func:`config_digest`): ``resume`` only says whether to continue a checkpoint.
+IGNORED_KEYS = ("resume",)
 
 
-def comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` without the :data:`ADDED_KEYS` at their earlier value, so a run
-    stored before a key existed matches the same run configured today."""
-    return {k: v for k, v in config.items() if not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
+def config_digest(config: dict[str, Any]) -> str:
+    """Digest of the configuration a checkpoint belongs to."""
+    relevant = {k: v for k, v in sorted(config.items()) if k not in IGNORED_KEYS}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class ConfigError(ValueError):
@@ -294,7 +292,6 @@ def validate(cfg: JobConfig) -> None:
          "'carve' unless 'validation-fraction' > 0 (it switches validation on)")
     need(cfg.model == "seed-cnn", "model", "'seed-cnn'")
     need(cfg.norm in ("group", "none"), "norm", "'group' or 'none'")
-    need(bool(cfg.results_dir), "results_dir", "a non-empty path")
     if cfg.method == "joint-dp":
         try:
             re.compile(cfg.personal_layers)
@@ -370,7 +367,17 @@ NAMESPACE = "jdp"
 
 #: Defaults of a drop-in app that differ from the project's own app.
 DROPIN_DEFAULTS: dict[str, Any] = {"num-owners": 0, "num-rounds": 3, "local-epochs": 1,
-                                   "batch-size": 32, "learning-rate": 0.1}
+                                   "batch-size": 32, "learning-rate": 0.1, "results-dir": ""}
+
+
+def run_folder(results_dir: str, session: str) -> str:
+    """Where a run writes: ``results-dir``, or (empty) a new folder of its own,
+    ``results/<UTC date-time>-<session>``."""
+    if results_dir:
+        return results_dir
+    import time
+
+    return f"results/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{session[:6]}"
 
 
 def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig:

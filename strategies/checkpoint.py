@@ -7,7 +7,6 @@ from the epsilon it had spent rather than from zero.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -18,17 +17,10 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from flwr_jdp import protocol
+from flwr_jdp.config import config_digest
 from flwr_jdp.privacy.ledger import PrivacyLedger
 
 from .validation import ArraySpec
-
-IGNORED_KEYS = ("resume",)
-
-
-def config_digest(config: dict[str, Any]) -> str:
-    """Digest of the configuration a checkpoint belongs to."""
-    relevant = {k: v for k, v in sorted(config.items()) if k not in IGNORED_KEYS}
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _atomic_write(path: Path, write) -> None:

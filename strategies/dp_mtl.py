@@ -51,25 +51,25 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from flwr_jdp.mtl.algorithm import MeanServer, MTLConfig
 from flwr_jdp.mtl.noise import MeanRelease, paper_sigma, tight_sigma
+from flwr_jdp.mtl.protocol import (  # noqa: E402 - the keys, re-exported
+    CONFIG,
+    MEAN,
+    METRICS,
+    MODELS,
+    ROUND,
+    SETUP,
+    TASKS,
+    parse_task_key,
+    task_key,
+)
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
 
 from .checkpoint import Checkpoint
 from .node_query import query_nodes
 
-CONFIG, MEAN, MODELS, METRICS, SETUP = "config", "mean", "models", "metrics", "setup"
-TASKS, ROUND = "tasks", "round"
 #: Relative slack on the ball check (float32/float64 round-off of a projected model).
 BALL_SLACK = 1e-6
-
-
-def task_key(task_id: int) -> str:
-    return f"task.{int(task_id)}"
-
-
-def parse_task_key(key: str) -> int | None:
-    head, _, rest = key.partition(".")
-    return int(rest) if head == "task" and rest.isdigit() else None
 
 
 class DPMeanRegularizedMTL(Strategy):

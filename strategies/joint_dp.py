@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import secrets
 import time
@@ -38,11 +39,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import FedAvg, FedAvgM, Result, Strategy
+from flwr.serverapp.strategy.fedopt import FedOpt
 from torch import nn
 
 from flwr_jdp import protocol
-from flwr_jdp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config
+from flwr_jdp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config, run_folder
 from flwr_jdp.models import build_model
 from flwr_jdp.params import get_arrays, split_names, split_parameters
 from flwr_jdp.privacy.ledger import PrivacyLedger
@@ -51,6 +53,7 @@ from flwr_jdp.privacy.schedule import OwnerSize, Schedule, build_schedule, calib
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 from flwr_jdp.training.owner_round import release_kind
 
+from .accounted import AccountedStrategy
 from .checkpoint import Checkpoint
 from .iterate_average import SharedParameterEMA
 from .node_query import query_nodes
@@ -59,21 +62,33 @@ from .validation import NORM_SLACK, ArraySpec, max_sampled_units, spec_of, valid
 ModelFn = Callable[[tuple[int, ...], int], nn.Module]
 
 
-class JointDP(Strategy):
-    """Joint-DP training of shared parameters with personal layers kept local.
+class JointDP(AccountedStrategy):
+    r"""Joint-DP training of shared parameters with personal layers kept local.
 
     Parameters
     ----------
     cfg : JobConfig
         The validated run configuration (:func:`flwr_jdp.config.parse_config`).
     model_fn : callable, optional
-        ``(image_shape, num_classes) -> nn.Module``; defaults to the seed CNN.
+        The project's own app only: ``(image_shape, num_classes) -> nn.Module``,
+        default the seed CNN. A drop-in app does not need it: the model is the
+        user's ``initial_arrays``, checked against the ClientApps' model.
     ledger : PrivacyLedger, optional
         Where releases are recorded; a new one at ``cfg.delta`` by default.
     node_settle_s : float
         At start-up, how long the count of connected nodes must stay unchanged
         before the set-up query goes out (skipped once there are as many nodes as
         owners; 0: query at once).
+    inner : Strategy, optional
+        A Flower strategy applied to each round's DP aggregate as post-processing
+        (FedAvg by default; FedAvgM, FedAdam, FedYogi or FedAdagrad for a server
+        optimizer). It changes the model, never the ledger. Flower's DP wrappers and
+        robust aggregators are refused with the reason.
+    **settings
+        Any configuration key by its Python name (``target_epsilon=2.0``,
+        ``personal_layers=r"^fc3\."``, ``noise_placement="central"``, ...), validated
+        as the run config is; without ``cfg`` they configure the strategy alone
+        (see :meth:`from_run_config` for apps configured by ``jdp.*`` keys).
     """
 
     def __init__(
@@ -82,8 +97,10 @@ class JointDP(Strategy):
         model_fn: ModelFn | None = None,
         ledger: PrivacyLedger | None = None,
         node_settle_s: float = 1.0,
+        inner: Strategy | None = None,
         **settings: object,
     ) -> None:
+        self.inner = _checked_inner(inner)
         if cfg is None:
             cfg = namespaced_config({}, **settings)
         elif settings:
@@ -295,7 +312,9 @@ class JointDP(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Plan the round, check and charge the budget, and address each node."""
-        assert self.schedule is not None, "call setup() first"
+        if self.schedule is None:
+            raise ConfigError("JointDP runs through its own start() (set-up, calibration, ledger); it was "
+                              f"driven by another strategy's loop. If it was wrapped: {_DP_WRAPPER}")
         selected = self._select()
         planned = self.schedule.round_events(self.cfg, self.noise_multiplier, selected)
         if self.ledger.would_exceed(planned, self.cfg.target_epsilon):
@@ -366,7 +385,31 @@ class JointDP(Strategy):
             self.last_round_info["skipped"] = True
             return None, MetricRecord(info)
         new = self._aggregate(valid.arrays, valid.weights, server_round)
-        return protocol.to_record(dict(zip(self.spec, new, strict=False))), MetricRecord(info)
+        released = protocol.to_record(dict(zip(self.spec, new, strict=False)))
+        return self._post_process(server_round, released), MetricRecord(info)
+
+    def _post_process(self, server_round: int, released: ArrayRecord) -> ArrayRecord:
+        """The inner strategy's step on the DP aggregate (free post-processing: a
+        function of DP output and the server's own state; the ledger is unchanged).
+        The aggregate is handed to ``inner.aggregate_train`` as the one reply of the
+        round, so FedAdam, FedYogi, FedAdagrad and FedAvgM apply their server
+        optimizer to the pseudo-gradient ``aggregate - current``."""
+        inner = self.inner
+        if inner is None or type(inner) is FedAvg:
+            return released
+        if isinstance(inner, FedOpt):
+            inner.current_arrays = {k: v.numpy() for k, v in self._current.items()}
+        elif isinstance(inner, FedAvgM) and inner.current_arrays is None:
+            inner.current_arrays = self._current
+        ask = Message(RecordDict(), dst_node_id=0, message_type=MessageType.TRAIN)
+        reply = Message(RecordDict({protocol.ARRAYS: released,
+                                    protocol.METRICS: MetricRecord({inner.weighted_by_key: 1})}),
+                        reply_to=ask)
+        arrays, _ = inner.aggregate_train(server_round, [reply])
+        if arrays is None:
+            raise RuntimeError(f"the inner strategy {type(inner).__name__} returned no arrays")
+        return protocol.to_record({k: arrays[k].numpy().astype(self._current[k].numpy().dtype)
+                                   for k in self.spec})
 
     def _aggregate(self, arrays: dict[int, list[np.ndarray]], weights: dict[int, float],
                    server_round: int = 0) -> list[np.ndarray]:
@@ -473,26 +516,17 @@ class JointDP(Strategy):
         log(INFO, "\t│\t└── budget epsilon=%.4g at delta=%.3g (%s)", cfg.target_epsilon,
             cfg.delta, cfg.accountant)
 
-    # --------------------------------------------------------------- main loop
-    def start(  # type: ignore[override]
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord | None = None,
-        num_rounds: int | None = None,
-        timeout: float | None = None,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run set-up and the rounds, checkpointing model, ledger and results to
-        ``results-dir`` before every round's release and after it; stop cleanly when
-        the budget would be exceeded. An unfinished run with the same configuration
-        is resumed. The arguments mean what they mean in Flower's ``Strategy.start``:
+    # ------------------------------------------------- the accounted loop's hooks
+    def prepare(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
+                timeout: float) -> tuple[ArrayRecord, range]:
+        """Set-up, calibration and resume, before any release. The arguments of
+        ``start()`` mean what they mean in Flower's ``Strategy.start``:
 
         - ``initial_arrays``: the initial model. Its shared parameters are broadcast;
-          personal parameters may be included only at the public initial values the
-          ClientApp's model has (the release is computed with those), else the run
-          fails before any privacy is spent, naming the array.
+          its personal parameters are sent to the owners once, at set-up, as their
+          public initial values (drop-in ClientApps), or must equal the public
+          initial values the project's ClientApp model has. A mismatch with the
+          ClientApps' model fails before any privacy is spent, naming the array.
         - ``num_rounds``: the horizon the noise is calibrated for. Under local noise
           it must equal run-config ``num-rounds``, which every owner uses to check the
           noise it is asked to add; a different value fails before any spending.
@@ -509,7 +543,6 @@ class JointDP(Strategy):
         replies ends as failed (``status: failed`` with the epsilon spent saved, and
         an exception, so Flower marks the run ``finished:failed``)."""
         cfg = self.cfg
-        timeout = float(timeout or cfg.round_timeout)
         if num_rounds is not None and num_rounds != cfg.num_rounds:
             if cfg.dp and cfg.placement is NoisePlacement.LOCAL:
                 raise ConfigError(
@@ -519,17 +552,23 @@ class JointDP(Strategy):
             if num_rounds < 1:
                 raise ConfigError(f"start(num_rounds={num_rounds}): must be >= 1")
             cfg = self.cfg = dataclasses.replace(cfg, num_rounds=int(num_rounds))
-        num_rounds = cfg.num_rounds
-        t0 = time.time()
+        if not cfg.results_dir:
+            cfg = self.cfg = dataclasses.replace(cfg, results_dir=run_folder("", self.session))
+        self._t0 = time.time()
+        self.max_skipped_rounds = cfg.max_skipped_rounds
+        # Flower prints through its own handler; a root handler that another library
+        # installed would print every line a second time.
+        logging.getLogger("flwr").propagate = False
         arrays = self.setup(grid, timeout=120.0, initial_arrays=initial_arrays)
         if initial_arrays is not None and not self._dropin:
             arrays = self._checked_initial_arrays(initial_arrays)
-        ckpt = Checkpoint(Path(cfg.results_dir), cfg.to_dict())
-        start_round, history = 1, []
+        self._ckpt = ckpt = Checkpoint(Path(cfg.results_dir), cfg.to_dict())
+        self.history = []
+        start_round = 1
         if cfg.resume and ckpt.resumable():
-            arrays, self.ledger, history, z = ckpt.load(self.spec)
+            arrays, self.ledger, self.history, z = ckpt.load(self.spec)
             self.noise_multiplier = z if cfg.dp else self.noise_multiplier
-            start_round = len(history) + 1
+            start_round = len(self.history) + 1
             self.session = ckpt.session() or self.session
             saved = ckpt.load_ema(self.spec) if self.ema is not None else None
             if saved is not None:
@@ -541,83 +580,74 @@ class JointDP(Strategy):
                 log(WARNING, "Round %d was charged before the restart and its owners may have "
                     "released; its charge stands and its re-run is charged again", interrupted[-1])
         self.summary()
-        result = Result()
-        result.arrays = arrays
-        status = "completed"
-        if evaluate_fn is not None and start_round == 1:
-            self._server_evaluate(evaluate_fn, 0, arrays, result)
-        skipped_in_a_row = 0
-        for rnd in range(start_round, num_rounds + 1):
-            t_round = time.time()
-            try:
-                messages = self.configure_train(rnd, arrays, train_config or ConfigRecord(), grid)
-            except PrivacyBudgetExhausted as err:
-                log(WARNING, "Stopping before round %d: privacy budget exhausted (%s)", rnd, err)
-                status = "budget-exhausted"
-                break
-            # Charge, save, release: the round's charge is on disk before any of its
-            # messages leaves the server, so a crash from here on cannot un-charge it.
-            ckpt.save(arrays, self.ledger, history, self.noise_multiplier, "running",
-                      self._summary(history, t0), ema=self._ema_state())
-            replies = grid.send_and_receive(messages, timeout=timeout)
-            new_arrays, train_metrics = self.aggregate_train(rnd, replies)
-            if new_arrays is not None:
-                arrays = new_arrays
-                if self.ema is not None:
-                    self.ema.update({k: v.numpy() for k, v in arrays.items()})
-            if train_metrics is not None:
-                result.train_metrics_clientapp[rnd] = train_metrics
-            evaluated = self._evaluated_arrays(arrays)
-            eval_replies = grid.send_and_receive(
-                self.configure_evaluate(rnd, evaluated, evaluate_config or ConfigRecord(), grid),
-                timeout=timeout,
-            )
-            eval_metrics = self.aggregate_evaluate(rnd, eval_replies)
-            if eval_metrics is not None:
-                result.evaluate_metrics_clientapp[rnd] = eval_metrics
-            server_metrics = (self._server_evaluate(evaluate_fn, rnd, evaluated, result)
-                              if evaluate_fn is not None else None)
-            eps = self.ledger.epsilon() if cfg.dp else 0.0
-            acc = float(eval_metrics.get("accuracy", float("nan"))) if eval_metrics is not None else float("nan")
-            row = {
-                "round": rnd, "accuracy": acc,
-                "accuracy_std": float(eval_metrics.get("accuracy-std", float("nan"))) if eval_metrics else float("nan"),
-                "evaluated_owners": int(eval_metrics["owners"]) if eval_metrics else 0,
-                "epsilon": eps, "delta": cfg.delta, "noise_multiplier": self.noise_multiplier,
-                "valid_owners": int(self.last_round_info.get("valid-owners", 0)),
-                "dropped_owners": int(self.last_round_info.get("dropped-owners", 0)),
-                "skipped": bool(self.last_round_info.get("skipped", False)),
-                "personal_rounds_min": int(eval_metrics["personal-rounds-min"]) if eval_metrics else 0,
-                "seconds": time.time() - t_round,
-            }
-            if server_metrics is not None:
-                row["server_metrics"] = server_metrics
-            if self._dropin and eval_metrics is not None:
-                row["owner_metrics"] = {k: float(v) for k, v in eval_metrics.items()}
-            history.append(row)
-            log(INFO, "[round %d/%d] mean personalized accuracy %.4f over %d owners | "
-                "epsilon %.4f (target %.4g) at delta %.3g | noise multiplier %.4f | %.1fs",
-                rnd, num_rounds, acc, int(eval_metrics["owners"]) if eval_metrics else 0, eps,
-                cfg.target_epsilon, cfg.delta, self.noise_multiplier, row["seconds"])
-            result.arrays = arrays
-            useless = bool(self.spec) and (row["skipped"] or row["valid_owners"] == 0)
-            skipped_in_a_row = skipped_in_a_row + 1 if useless else 0
-            if skipped_in_a_row >= cfg.max_skipped_rounds:
-                status = "failed"
-                break
-            ckpt.save(arrays, self.ledger, history, self.noise_multiplier, "running",
-                      self._summary(history, t0), ema=self._ema_state())
-        ckpt.save(arrays, self.ledger, history, self.noise_multiplier, status,
-                  self._summary(history, t0), ema=self._ema_state())
-        log(INFO, "Finished (%s): results in %s", status, ckpt.results_path)
-        if status == "failed":
-            reasons = "; ".join(list(dict.fromkeys(self.last_drop_reasons))[:3]) or "no reply arrived"
-            raise RuntimeError(
-                f"run failed: {skipped_in_a_row} rounds in a row (max-skipped-rounds="
-                f"{cfg.max_skipped_rounds}) had too few valid replies; epsilon "
-                f"{self.ledger.epsilon() if cfg.dp else 0.0:.4f} spent and saved in "
-                f"{ckpt.ledger_path}. Last round's reasons: {reasons}")
-        return result
+        log(INFO, "Writing model, ledger and results to %s", Path(cfg.results_dir).resolve())
+        return arrays, range(start_round, cfg.num_rounds + 1)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """The accounted round loop (:class:`AccountedStrategy`); see :meth:`prepare`
+        for what each argument means here. ``timeout`` defaults to run-config
+        ``round-timeout``."""
+        return super().start(grid, initial_arrays, num_rounds, timeout or self.cfg.round_timeout,
+                             train_config, evaluate_config, evaluate_fn)
+
+    def save(self, arrays: ArrayRecord, status: str) -> None:
+        self._ckpt.save(arrays, self.ledger, self.history, self.noise_multiplier, status,
+                        self._summary(self.history, self._t0), ema=self._ema_state())
+        if status != "running":
+            log(INFO, "Finished (%s): results in %s", status, self._ckpt.results_path)
+
+    def after_aggregate(self, server_round: int, arrays: ArrayRecord) -> None:
+        if self.ema is not None:
+            self.ema.update({k: v.numpy() for k, v in arrays.items()})
+
+    def evaluated_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
+        return self._evaluated_arrays(arrays)
+
+    def evaluate_fn_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
+        """Drop-in apps: the shared model plus the personal parameters at their public
+        initial values (the server never holds an owner's personal layers), in the
+        order of ``initial_arrays``, so ``evaluate_fn`` can ``load_state_dict`` it."""
+        if not self._dropin:
+            return arrays
+        values = {k: v.numpy() for k, v in arrays.items()}
+        values.update(self.public_initial)
+        return protocol.to_record({k: values[k] for k in self.model_spec if k in values})
+
+    def epsilon_spent(self) -> float:
+        return self.ledger.epsilon() if self.cfg.dp else 0.0
+
+    def failure_reasons(self) -> str:
+        return "; ".join(list(dict.fromkeys(self.last_drop_reasons))[:3]) or "no reply arrived"
+
+    def round_row(self, server_round: int, train_metrics: MetricRecord | None,
+                  eval_metrics: MetricRecord | None) -> dict:
+        cfg = self.cfg
+        info = self.last_round_info
+        row = {
+            "round": server_round,
+            "accuracy": float(eval_metrics.get("accuracy", float("nan"))) if eval_metrics else float("nan"),
+            "accuracy_std": float(eval_metrics.get("accuracy-std", float("nan"))) if eval_metrics else float("nan"),
+            "evaluated_owners": int(eval_metrics["owners"]) if eval_metrics else 0,
+            "epsilon": self.epsilon_spent(), "delta": cfg.delta, "noise_multiplier": self.noise_multiplier,
+            "valid_owners": int(info.get("valid-owners", 0)),
+            "dropped_owners": int(info.get("dropped-owners", 0)),
+            "skipped": bool(self.spec) and (bool(info.get("skipped", False)) or int(info.get("valid-owners", 0)) == 0),
+        }
+        if not self._dropin:
+            row["personal_rounds_min"] = int(eval_metrics["personal-rounds-min"]) if eval_metrics else 0
+        elif eval_metrics is not None:
+            row["owner_metrics"] = {k: float(v) for k, v in eval_metrics.items()
+                                    if k not in ("personal-rounds-min",)}
+        return row
+
+    def round_line(self, row: dict) -> str:
+        return (f"[round {row['round']}/{self.cfg.num_rounds}] mean personalized accuracy "
+                f"{row['accuracy']:.4f} over {row['evaluated_owners']} owners | epsilon {row['epsilon']:.4f} "
+                f"(target {self.cfg.target_epsilon:.4g}) at delta {self.cfg.delta:.3g} | noise multiplier "
+                f"{self.noise_multiplier:.4f}")
 
     def _checked_initial_arrays(self, initial: ArrayRecord) -> ArrayRecord:
         """The shared part of the user's ``initial_arrays``, after checking it
@@ -646,19 +676,6 @@ class JointDP(Strategy):
                     "leave personal parameters out of initial_arrays")
         return protocol.to_record({n: initial[n].numpy() for n in self.spec})
 
-    def _server_evaluate(self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None],
-                         server_round: int, arrays: ArrayRecord, result: Result) -> dict | None:
-        """Call the user's ``evaluate_fn`` on the global shared model (no privacy
-        cost: the model is already DP)."""
-        metrics = evaluate_fn(server_round, arrays)
-        if metrics is None:
-            return None
-        result.evaluate_metrics_serverapp[server_round] = metrics
-        out = {k: float(v) if isinstance(v, int | float) else v for k, v in dict(metrics).items()}
-        log(INFO, "[round %d] server-side evaluation: %s", server_round,
-            ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
-        return out
-
     def _evaluated_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
         """The shared model owners are evaluated with: the moving average once a
         round has been averaged, else the aggregate itself."""
@@ -686,6 +703,29 @@ class JointDP(Strategy):
         }
 
 
+#: Inner strategies whose server step is defined on one aggregate (post-processing).
+INNER_STRATEGIES = "FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad"
+
+#: Why a Flower DP wrapper cannot wrap or be wrapped by JointDP.
+_DP_WRAPPER = ("flwr-jdp clips, noises and accounts the releases itself; Flower's DP wrappers "
+               "(DifferentialPrivacy*FixedClipping / *AdaptiveClipping) would clip and noise "
+               "releases that are already DP, without a ledger")
+
+
+def _checked_inner(inner: Strategy | None) -> Strategy | None:
+    """``inner`` if JointDP can apply it as post-processing, else a ConfigError."""
+    if inner is None:
+        return None
+    name = type(inner).__name__
+    if "DifferentialPrivacy" in name:
+        raise ConfigError(f"inner={name}: {_DP_WRAPPER}; pass a plain strategy ({INNER_STRATEGIES})")
+    if not isinstance(inner, FedOpt | FedAvgM) and type(inner) is not FedAvg:
+        raise ConfigError(f"inner={name}: JointDP post-processes one DP aggregate per round, which "
+                          f"{INNER_STRATEGIES} can step on; robust aggregators (median, Krum, trimmed "
+                          "mean) need the individual replies, which are not DP")
+    return inner
+
+
 def _weighted_metrics(metrics: dict[int, dict[str, float]]) -> MetricRecord | None:
     """The owners' own evaluation metrics (a drop-in app's ``test``) averaged
     weighted by ``num-examples``, as Flower's FedAvg does; ``accuracy`` is the
@@ -704,7 +744,6 @@ def _weighted_metrics(metrics: dict[int, dict[str, float]]) -> MetricRecord | No
         out["accuracy-std"] = float(np.std(accs))
         out["accuracy-weighted"] = float(sum(m[acc] * m[protocol.NUM_EXAMPLES] for m in metrics.values()) / total)
     out["owners"] = len(metrics)
-    out["personal-rounds-min"] = 0
     return MetricRecord(out)
 
 

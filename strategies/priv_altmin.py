@@ -54,13 +54,11 @@ from flwr_jdp.altmin.algorithm import (
     server_update,
 )
 from flwr_jdp.altmin.problem import ProblemSpec
+from flwr_jdp.altmin.protocol import CONFIG, EMBEDDING, INIT_ACTION, METRICS, STATS  # noqa: E402,F401
 from flwr_jdp.altmin.release import GaussianRelease
 from flwr_jdp.altmin.statistics import AltMinSums
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
-
-CONFIG, EMBEDDING, STATS, METRICS = "config", "embedding", "stats", "metrics"
-INIT_ACTION = f"{MessageType.TRAIN}.init"
 
 
 class PrivAltMin(Strategy):

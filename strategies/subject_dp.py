@@ -54,24 +54,19 @@ from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.subject.config import SubjectDPConfig
 from flwr_jdp.subject.plan import SubjectPlan, accounting_counts, make_plan
+from flwr_jdp.subject.protocol import (  # noqa: E402,F401 - the keys, re-exported
+    CONFIG,
+    MODEL,
+    SETUP,
+    SILOS,
+    STATS,
+    load_arrays,
+    model_arrays,
+    silo_key,
+)
 
 from .checkpoint import Checkpoint
 from .node_query import query_nodes
-
-CONFIG, SETUP, MODEL, STATS = "config", "setup", "model", "stats"
-SILOS = "silos"
-
-
-def silo_key(i: int) -> str:
-    return f"silo.{int(i)}"
-
-
-def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-
-
-def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
-    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()})
 
 
 class SubjectLevelFedAvg:

@@ -172,7 +172,7 @@ def test_exponential_mechanism_score_sensitivity_and_net_cover():
 def test_flower_aggregate_equals_single_process(tmp_path):
     """Users spread over 3 SuperNodes (Flower's Ray simulation) give the same
     embedding and MSE as the single-process computation with the same noise."""
-    from flwr_jdp.simulation import simulate
+    from research.simulation import simulate
 
     rc = {"num-users": 1500, "dim": 8, "rank": 2, "epochs": 2, "target-epsilon": 4.0,
           "noise-seed": 11, "clip-a": 80.0, "results-dir": str(tmp_path / "run")}

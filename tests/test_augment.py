@@ -9,13 +9,13 @@ import pytest
 import torch
 from flwr_jdp.apps.owner_state import new_model, owner_data, public_personal
 
-from flwr_jdp.config import ConfigError, comparable, parse_config
+from flwr_jdp.config import ConfigError, parse_config
 from flwr_jdp.params import get_arrays
-from flwr_jdp.reproduce.joint_dp import Cell, run_config
 from flwr_jdp.training import fit_personal, train_plain
 from flwr_jdp.training import owner_round as owner_round_module
 from flwr_jdp.training.augment import random_shift
 from flwr_jdp.training.owner_round import OwnerPlan, train_owner_round
+from research.reproduce_joint_dp import Cell, comparable, run_config
 
 
 def test_shift_zero_is_the_identity_and_draws_nothing():

@@ -90,13 +90,20 @@ def test_the_users_app_trains_under_joint_dp_and_no_personal_value_leaves(exampl
 def test_evaluate_fn_train_config_and_the_round_horizon_are_honoured(example, run_config):
     seen = []
 
+    _, task = example
+    initial = ArrayRecord(task.Net().state_dict())
+
     def evaluate_fn(rnd, arrays):
-        seen.append((rnd, sorted(arrays.keys())))
+        net = task.Net()
+        net.load_state_dict(arrays.to_torch_state_dict())  # the user's strict load works
+        seen.append((rnd, {k: v.numpy() for k, v in arrays.items()}))
         return None
 
-    _start(example, run_config, evaluate_fn=evaluate_fn)
+    _start(example, run_config, initial=initial, evaluate_fn=evaluate_fn)
     assert [r for r, _ in seen] == [0, 1, 2]
-    assert "fc3.weight" not in seen[0][1] and "conv1.weight" in seen[0][1]
+    for _, arrays in seen:  # personal layers: the public initial values, never an owner's
+        np.testing.assert_array_equal(arrays["fc3.weight"], initial["fc3.weight"].numpy())
+    assert not np.array_equal(seen[2][1]["conv1.weight"], initial["conv1.weight"].numpy())
     with pytest.raises(ConfigError, match="num-rounds"):
         _start(example, run_config, num_rounds=3)  # owners agreed to 2 rounds (local noise)
 

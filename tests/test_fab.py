@@ -20,6 +20,6 @@ def test_app_builds_into_a_fab_below_the_limit_without_results(app):
     assert len(fab) < FAB_MAX_SIZE // 2  # room to grow
     names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
     assert "pyproject.toml" in names
-    assert not [n for n in names if n.startswith(("results/", "examples/", "tests/"))]
+    assert not [n for n in names if n.startswith(("results/", "examples/", "tests/", "research/"))]
     if app == ROOT:
         assert {"apps/server_app.py", "apps/client_app.py", "strategies/joint_dp.py"} <= set(names)

@@ -8,7 +8,7 @@ import time
 import pytest
 from flwr.app import ConfigRecord
 
-from flwr_jdp.simulation import simulate
+from research.simulation import simulate
 
 pytestmark = pytest.mark.slow  # Ray simulation or SuperLink processes: `pytest -m slow`
 

@@ -9,9 +9,10 @@ from flwr_jdp.apps.owner_state import new_model, owner_data
 from flwr_jdp.strategies import load_results
 
 from flwr_jdp import protocol
-from flwr_jdp.config import ConfigError, comparable, parse_config
+from flwr_jdp.config import ConfigError, parse_config
 from flwr_jdp.params import get_arrays
 from flwr_jdp.training import adapted_model, evaluate
+from research.reproduce_joint_dp import comparable
 
 from .helpers import run_inprocess
 

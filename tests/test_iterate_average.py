@@ -8,7 +8,8 @@ from flwr_jdp.strategies import load_results
 from flwr_jdp.strategies.iterate_average import SharedParameterEMA
 
 from flwr_jdp import protocol
-from flwr_jdp.config import ConfigError, comparable, parse_config
+from flwr_jdp.config import ConfigError, parse_config
+from research.reproduce_joint_dp import comparable
 
 from .helpers import Killed, kill_after_trains, run_inprocess
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flwr_jdp.reproduce.joint_dp import Cell, append_row
+from research.reproduce_joint_dp import Cell, append_row
 
 from .helpers import load_example
 
@@ -60,7 +60,7 @@ def test_figure1_points_keep_trust_models_apart_and_include_table1(tmp_path):
 
     append_row(tmp_path / "table1.csv", _row(Cell("fashion-mnist", 8, "joint-dp", "central", 1.0), 0.7))
     append_row(tmp_path / "figure1.csv", _row(Cell("fashion-mnist", 8, "joint-dp", "central", 2.0), 0.75))
-    from flwr_jdp.reproduce.joint_dp import read_rows
+    from research.reproduce_joint_dp import read_rows
 
     assert report.figure1(read_rows(tmp_path / "figure1.csv"), read_rows(tmp_path / "table1.csv"),
                           tmp_path / "figure1.png")
@@ -86,7 +86,7 @@ def test_figure1_points_table_pairs_joint_and_full_dp_sorted_by_epsilon(tmp_path
     """One line per (n, trust, epsilon); Table 1's epsilon = 1 cell is marked T1, the
     later of two rows for a point wins and a missing method reads "not run"."""
     report = _report()
-    from flwr_jdp.reproduce.joint_dp import read_rows
+    from research.reproduce_joint_dp import read_rows
 
     append_row(tmp_path / "table1.csv", _row(Cell("fashion-mnist", 8, "joint-dp", "central", 1.0), 0.7))
     append_row(tmp_path / "table1.csv", _row(Cell("fashion-mnist", 8, "full-dp", "central", 1.0), 0.5))
@@ -112,6 +112,10 @@ def test_memory_samples_name_their_cell_and_report_the_peak_per_cell():
     argv = ["/venv/bin/python3", "/venv/bin/flwr-jdp", "reproduce", "joint-dp", "--owners", "512",
             "--method", "fedavg", "--trust", "local", "--seeds", "1"]
     assert sampler.cell_of_command(argv) == ["512", "fedavg", "local", "", "", ""]
+    assert sampler.is_reproduction(argv)
+    argv = ["/venv/bin/python", "-m", "research.reproduce_joint_dp", "--owners", "512", "--method", "fedavg"]
+    assert sampler.is_reproduction(argv) and not sampler.is_reproduction(["flwr-jdp", "calibrate"])
+    assert sampler.cell_of_command(argv) == ["512", "fedavg", "", "", "", ""]
     # an option given twice counts with its last value, as argparse reads it
     argv = ["flwr-jdp", "reproduce", "joint-dp", "--epsilon", "1", "--owners", "256", "--method",
             "joint-dp", "--records-per-user", "5", "--epsilon", "3", "--personal", "conv2+fc1"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flwr_jdp.reproduce.joint_dp import Cell, append_row
+from research.reproduce_joint_dp import Cell, append_row
 
 from .helpers import load_example
 

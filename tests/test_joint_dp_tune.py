@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from flwr_jdp.reproduce.joint_dp import read_rows
+from research.reproduce_joint_dp import read_rows
 
 from .helpers import load_example
 

@@ -10,7 +10,7 @@ import pytest
 
 from flwr_jdp.config import parse_config
 from flwr_jdp.privacy.schedule import build_schedule, calibrate_schedule
-from flwr_jdp.reproduce.joint_dp import Cell, run_config
+from research.reproduce_joint_dp import Cell, run_config
 
 from .helpers import load_example
 

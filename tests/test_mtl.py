@@ -28,7 +28,7 @@ from flwr_jdp.mtl.tasks import SyntheticSpec, TaskData, synthetic_tasks
 from flwr_jdp.privacy.accountants import as_add_remove, epsilon
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.rdp import rdp_vector
-from flwr_jdp.simulation import simulate
+from research.simulation import simulate
 
 
 @pytest.mark.parametrize("kind", ["squared", "logistic", "softmax"])

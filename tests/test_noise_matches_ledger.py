@@ -138,9 +138,10 @@ def test_joint_dp_local_noise_std_is_each_owners_recorded_event(run_config, unit
 # ------------------------------------------------------------------------ DP-MTL
 
 
-@pytest.mark.parametrize("mode,relation,q", [("tight", "replace-one", 1.0), ("tight", "add-remove", 0.5),
-                                             ("paper", "replace-one", 1.0)])
-def test_dp_mtl_mean_noise_std_is_the_recorded_event(tmp_path, mode, relation, q):
+@pytest.mark.parametrize("mode,relation,q,accountant", [("tight", "replace-one", 1.0, "pld"),
+                                                        ("tight", "add-remove", 0.5, "rdp"),
+                                                        ("paper", "replace-one", 1.0, "pld")])
+def test_dp_mtl_mean_noise_std_is_the_recorded_event(tmp_path, mode, relation, q, accountant):
     """The DP-MTL strategy on an in-process grid, every task's sent model replaced by
     zeros: each released mean ``w~`` is the noise alone, std ``z B / (q m)`` with ``z``
     and ``q`` of the recorded event (``B`` the ball radius, the add/remove
@@ -151,10 +152,10 @@ def test_dp_mtl_mean_noise_std_is_the_recorded_event(tmp_path, mode, relation, q
 
     from flwr_jdp.mtl.config import parse_mtl_config
 
-    rc = {"num-tasks": 12, "samples-per-task": 5, "dim": 199, "rounds": 6, "target-epsilon": 3.0,
+    rc = {"num-tasks": 12, "samples-per-task": 5, "dim": 399, "rounds": 3, "target-epsilon": 3.0,
           "calibration": mode, "neighbouring": relation, "fraction-train": q, "noise-seed": 4,
           "results-dir": str(tmp_path / "res"), "resume": False, "finetune-steps": 0,
-          "accountant": "rdp"}  # calibrates in a fraction of PLD's time; the check is the same
+          "accountant": accountant}
     source, cfg, extras = parse_mtl_config(rc)
     means: dict[int, np.ndarray] = {}  # round -> the mean broadcast for evaluation
 
@@ -198,7 +199,7 @@ def test_priv_altmin_release_noise_std_is_the_recorded_events(monkeypatch):
 
     spec, cfg, _ = parse_altmin_config({"num-users": 200, "dim": 30, "rank": 2, "epochs": 1,
                                         "target-epsilon": 4.0, "clip-a": 80.0, "a-share": 0.3,
-                                        "u-step": "statistics"})
+                                        "u-step": "statistics", "accountant": "rdp"})
     released: dict[str, list[np.ndarray]] = {"init": [], "a": [], "b": []}
     init, sums = algorithm.embedding_from_init, algorithm.embedding_from_sums
 
@@ -238,7 +239,7 @@ def test_priv_altmin_release_noise_std_is_the_recorded_events(monkeypatch):
 
 # ---------------------------------------------------------------- winsorized mean
 
-N_USERS, DIM = 128, 64  # DIM a power of two: the rotation pads nothing
+N_USERS = 256
 
 
 def _zero_client() -> ClientApp:
@@ -253,15 +254,17 @@ def _zero_client() -> ClientApp:
     return app
 
 
-@pytest.mark.parametrize("kind", ["gaussian", "laplace"])
-def test_winsorized_mean_noise_std_is_the_recorded_events(kind, monkeypatch):
+@pytest.mark.parametrize("kind,dim", [("gaussian", 64), ("laplace", 16)])
+def test_winsorized_mean_noise_std_is_the_recorded_events(kind, dim, monkeypatch):
     """The winsorized-mean strategy wrapper, every client's update zero: the released
     update is the mean release's noise alone (rotated back, which keeps the std).
     With ``(z_range, z_mean)`` from the recorded ``Composed([range, mean])`` event,
     ``r = 2.5 tau_inf`` and ``d`` coordinates, the mean noise has std
     ``z_mean 2 r sqrt(d) / n`` (Gaussian) or ``sqrt(2) z_mean 2 r d / n`` (Laplace,
     L1); the noisy counts of the range step (read from the mechanism's output) have
-    std ``z_range sqrt(2 d)`` or ``sqrt(2) z_range 2 d``."""
+    std ``z_range sqrt(2 d)`` or ``sqrt(2) z_range 2 d``. One round goes through the
+    grid and the ledger; more draws call the strategy's estimator as
+    ``aggregate_train`` does (``dim`` a power of two: the rotation pads nothing)."""
     from flwr_jdp.strategies.winsorized_dp import DifferentialPrivacyWinsorizedMean
 
     from flwr_jdp.privacy.winsorized import RADIUS_FACTOR, WinsorizedMean, histogram, rotated_radius
@@ -277,34 +280,32 @@ def test_winsorized_mean_noise_std_is_the_recorded_events(kind, monkeypatch):
         return out
 
     monkeypatch.setattr(cls, "release_numpy", spy)
-    tau = 0.01
-    estimator = WinsorizedMean(bound=1.0, tau=tau, range_noise=0.01, mean_noise=0.8, kind=kind)
+    tau = 0.05
+    estimator = WinsorizedMean(bound=1.0, tau=tau, range_noise=0.5, mean_noise=0.8, kind=kind)
     ledger = PrivacyLedger(delta=1e-5, unit="user")
     fedavg = FedAvg(fraction_train=1.0, min_train_nodes=N_USERS, min_available_nodes=N_USERS)
     strategy = DifferentialPrivacyWinsorizedMean(fedavg, estimator, N_USERS, ledger=ledger, noise_seed=2)
     grid = InProcessGrid(_zero_client(), N_USERS, {})
-    rounds = 20 if kind == "laplace" else 8
-    noise = []
-    for rnd in range(1, rounds + 1):
-        arrays = ArrayRecord({"w": Array(np.zeros(DIM))})
-        replies = grid.send_and_receive(strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
-        new, _ = strategy.aggregate_train(rnd, replies)
-        noise.append(new["w"].numpy())
-    leaves = _scope_leaves(ledger.scopes, SERVER_SCOPE)
-    assert len(leaves) == 2 * rounds
-    (c_range, z_range, q1, n1), (c_mean, z_mean, q2, n2) = leaves[:2]
+    arrays = ArrayRecord({"w": Array(np.zeros(dim))})
+    replies = grid.send_and_receive(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    new, _ = strategy.aggregate_train(1, replies)
+    noise = [new["w"].numpy()]
+    draws = 200 if kind == "laplace" else 20
+    noise += [np.asarray(strategy.estimator.estimate(np.zeros((N_USERS, dim)), strategy.rng))
+              for _ in range(draws)]
+    ((cls_range, z_range, q1, n1), (cls_mean, z_mean, q2, n2)) = _scope_leaves(ledger.scopes, SERVER_SCOPE)
     want = "LaplaceDpEvent" if kind == "laplace" else "GaussianDpEvent"
-    assert c_range == c_mean == want and q1 == q2 == 1.0 and n1 == n2 == 1
-    assert (z_range, z_mean) == (0.01, 0.8)
-    tau_inf = rotated_radius(tau, N_USERS, DIM, estimator.beta)
+    assert cls_range == cls_mean == want and q1 == q2 == 1.0 and n1 == n2 == 1
+    assert (z_range, z_mean) == (0.5, 0.8)
+    tau_inf = rotated_radius(tau, N_USERS, dim, estimator.beta)
     radius = RADIUS_FACTOR * tau_inf
     laplace = kind == "laplace"
-    mean_sens = 2 * radius * (DIM if laplace else math.sqrt(DIM))
-    range_sens = 2 * DIM if laplace else math.sqrt(2 * DIM)
+    mean_sens = 2 * radius * (dim if laplace else math.sqrt(dim))
+    range_sens = 2 * dim if laplace else math.sqrt(2 * dim)
     factor = math.sqrt(2.0) if laplace else 1.0  # a Laplace of scale b has std sqrt(2) b
     _check_std(np.stack(noise), factor * z_mean * mean_sens / N_USERS, laplace, f"winsorized {kind} mean")
-    assert len(counts_noise) == rounds
-    assert counts_noise[0].shape == histogram(np.zeros((1, DIM)), 1.0, tau_inf)[1].shape
+    assert len(counts_noise) == 1 + draws
+    assert counts_noise[0].shape == histogram(np.zeros((1, dim)), 1.0, tau_inf)[1].shape
     _check_std(np.stack(counts_noise), factor * z_range * range_sens, laplace, f"winsorized {kind} range")
 
 
@@ -331,9 +332,9 @@ def test_subject_level_silo_noise_std_is_the_recorded_events(method):
     counts[subjects_per_silo:, 1] = records // subjects_per_silo
     cfg = SubjectDPConfig(method=method, accounting="exact", target_epsilon=4.0, budget_rounds=3,
                           batch_size=15, local_steps=2, learning_rate=0.5, clipping_norm=0.3,
-                          num_silos=2, results_dir="")
-    strategy = SubjectLevelFedAvg(cfg, nn.Linear(4, 2))
-    strategy.counts, strategy.plan = counts, make_plan(cfg, counts)
+                          num_silos=2, results_dir="", noise_multiplier=1.3)  # given z: no calibration
+    strategy = SubjectLevelFedAvg(cfg, nn.Linear(4, 2), accountant="rdp")
+    strategy.counts, strategy.plan = counts, make_plan(cfg, counts, accountant="rdp")
     events = strategy.round_events()
     leaves = [leaf for e in events.values() for leaf in _leaves(_to_dict(e))]
     assert leaves and {leaf[0] for leaf in leaves} == {"GaussianDpEvent"}

@@ -130,6 +130,61 @@ def test_noiseless_dp_sgd_gives_the_same_parameters_on_both_paths(name, unit, pe
     assert bool(set(split.personal) & set(moved)) == (personal_lr > 0)
 
 
+def test_single_row_linear_weights_are_factored_and_sequence_ones_are_not():
+    """The seed CNN's shared head ``fc2`` and the quickstart CNN's ``fc1``/``fc2`` get
+    factored per-sample gradients (:class:`per_sample.OuterProducts`) equal to the
+    materialised ones; the LSTM's recurrent and per-position layers do not."""
+    for name, factored in (("seed-cnn", {"fc2.weight"}), ("quickstart", {"fc1.weight", "fc2.weight"}),
+                           ("char-lstm", set()), ("sandwich", {"out.weight"}), ("tied", {"head.weight"})):
+        if name == "tied":
+            model, x, y = _Tied(), np.zeros((5, 6), np.float32), np.zeros(5, np.int64)
+            split = split_parameters(model, r"^nothing$", allow_empty=True)
+        else:
+            model, split, x, y = _case(name, n=5)
+        for k in split.personal:
+            model.get_parameter(k).requires_grad_(False)
+        engine = per_sample.FuncPerSample(model)
+        engine.backward(*dp_sgd.to_tensors(x, y))
+        got = {k for k, p in model.named_parameters() if isinstance(getattr(p, "grad_sample", None),
+                                                                   per_sample.OuterProducts)}
+        assert got == factored, name
+        for k in got:
+            p = model.get_parameter(k)
+            assert p.grad_sample.materialize().shape == (5, *p.shape)
+        engine.close()
+        assert not any(hasattr(p, "grad_sample") for p in model.parameters())
+
+
+class _Tied(nn.Module):
+    """One square layer applied twice (a tied weight): not factorable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.square = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.square(torch.tanh(self.square(x))))
+
+
+def test_a_tied_weight_is_not_factored_and_chunks_change_nothing(monkeypatch):
+    torch.manual_seed(2)
+    model = _Tied()
+    split = split_parameters(model, r"^head\.")
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(12, 6)).astype(np.float32), rng.integers(0, 3, 12)
+    fast = _sums("func", monkeypatch, model, split, x, y, None, 0.5)
+    hooks = _sums("opacus", monkeypatch, model, split, x, y, None, 0.5)
+    for a, b in zip(fast, hooks, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7)
+    model2, split2, x2, y2 = _case("quickstart")
+    whole = _sums("func", monkeypatch, model2, split2, x2, y2, _users("user", 12), 0.5)
+    monkeypatch.setattr(per_sample, "CHUNK", 5)  # 12 records in chunks of 5, 5, 2
+    chunked = _sums("func", monkeypatch, model2, split2, x2, y2, _users("user", 12), 0.5)
+    for a, b in zip(chunked, whole, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_groupnorm_without_affine_and_a_nan_record(monkeypatch):
     """``GroupNorm(affine=False)`` under the fast rule, and a record with a NaN input
     (zeroed before clipping, :func:`dp_sgd.finite_rows`) on both paths."""

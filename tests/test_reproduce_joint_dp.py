@@ -1,13 +1,12 @@
-"""`flwr-jdp reproduce joint-dp`: cells are validated, follow the paper's schedule,
+"""`python -m research.reproduce_joint_dp`: cells are validated, follow the paper's schedule,
 and one cell runs as a Flower (Ray) simulation and appends a row to table.csv."""
 
 import csv
 
 import pytest
 
-from flwr_jdp.cli import main
 from flwr_jdp.config import parse_config
-from flwr_jdp.reproduce.joint_dp import Cell, run_config, schedule_for
+from research.reproduce_joint_dp import Cell, main, run_config, schedule_for
 
 
 def test_paper_schedule_table3():
@@ -46,7 +45,7 @@ def test_bad_cells_fail_with_the_option_name(kwargs, message):
 @pytest.mark.slow  # Ray simulation
 def test_reproduce_one_cell_through_flower_simulation(tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["reproduce", "joint-dp", "--dataset", "digits", "--owners", "4", "--method",
+    rc = main(["--dataset", "digits", "--owners", "4", "--method",
                "joint-dp", "--epsilon", "8", "--quick", "--rounds", "2", "--local-epochs", "1",
                "--out", str(out)])
     assert rc == 0
@@ -69,8 +68,8 @@ def test_a_finished_seed_is_reused_not_rerun(tmp_path, monkeypatch):
     the same configuration is returned without a new simulation; any other is run."""
     import json
 
-    import flwr_jdp.simulation as simulation
-    from flwr_jdp.reproduce.joint_dp import run_seed
+    import research.simulation as simulation
+    from research.reproduce_joint_dp import run_seed
 
     cell = Cell("digits", 4, "joint-dp", "local", 8.0)
     seed_dir = tmp_path / "runs" / cell.name / "seed0"
@@ -101,8 +100,8 @@ def test_a_finished_seed_is_reused_not_rerun(tmp_path, monkeypatch):
 def test_rerunning_a_finished_cell_does_not_append_the_same_row_twice(tmp_path, monkeypatch):
     import json
 
-    import flwr_jdp.simulation as simulation
-    from flwr_jdp.reproduce.joint_dp import read_rows, run_cell
+    import research.simulation as simulation
+    from research.reproduce_joint_dp import read_rows, run_cell
 
     cell = Cell("digits", 4, "joint-dp", "central", 3.0, 5)
     seed_dir = tmp_path / "runs" / cell.name / "seed0"
@@ -183,8 +182,8 @@ def test_an_adapted_cell_names_its_own_runs_and_reaches_the_run_config(tmp_path)
 def test_a_seed_stored_before_ema_decay_and_user_batch_existed_is_still_reused(tmp_path, monkeypatch):
     import json
 
-    import flwr_jdp.simulation as simulation
-    from flwr_jdp.reproduce.joint_dp import run_seed
+    import research.simulation as simulation
+    from research.reproduce_joint_dp import run_seed
 
     cell = Cell("digits", 4, "joint-dp", "local", 8.0)
     seed_dir = tmp_path / "runs" / cell.name / "seed0"
@@ -215,8 +214,8 @@ def test_a_cell_refuses_a_release_personal_it_cannot_use(kwargs):
 def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path, monkeypatch):
     import json
 
-    import flwr_jdp.simulation as simulation
-    from flwr_jdp.reproduce.joint_dp import read_rows, run_cell, upgrade_table
+    import research.simulation as simulation
+    from research.reproduce_joint_dp import read_rows, run_cell, upgrade_table
 
     table = tmp_path / "t.csv"
     table.write_text("dataset,owners,method,trust,epsilon,seeds,acc_mean,acc_std,records_per_user,"
@@ -244,7 +243,7 @@ def test_an_old_table_gains_the_new_columns_at_the_values_its_runs_used(tmp_path
 def _upgrade_in_a_process(path: str, ready, go) -> None:
     from pathlib import Path
 
-    from flwr_jdp.reproduce.joint_dp import upgrade_table
+    from research.reproduce_joint_dp import upgrade_table
 
     ready.set()
     go.wait()
@@ -257,7 +256,7 @@ def test_tables_upgraded_by_processes_side_by_side_keep_each_row_once(tmp_path):
     refilled while another process reads it)."""
     import multiprocessing as mp
 
-    from flwr_jdp.reproduce.joint_dp import COLUMNS, read_rows
+    from research.reproduce_joint_dp import COLUMNS, read_rows
 
     table = tmp_path / "t.csv"
     old = "dataset,owners,method,trust,epsilon,seeds,acc_mean,acc_std,records_per_user,personal_layers\n"

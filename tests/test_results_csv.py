@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 
-from flwr_jdp.reproduce.results_csv import write_csv
+from research.results_csv import write_csv
 
 
 def test_rows_are_written_under_the_given_or_first_rows_header(tmp_path):

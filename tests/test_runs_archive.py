@@ -3,7 +3,7 @@
 import json
 import tarfile
 
-from flwr_jdp.reproduce.runs_archive import ARCHIVE, runs_folder
+from research.runs_archive import ARCHIVE, runs_folder
 
 
 def _write_run(root, name, acc):

@@ -42,6 +42,9 @@ from flwr_jdp.altmin.baselines import own_data_mse, single_model_mse
 from flwr_jdp.altmin.problem import ProblemSpec, all_users, true_embedding
 from flwr_jdp.altmin.statistics import SampleSplit, user_statistic_norms
 
+# research/ (the reproductions' code) is not installed: import it from the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 EPSILONS = (1.0, 2.0, 5.0, 10.0)
 DELTA = 1e-6
 NEWTON_GRID = [dict(epochs=e, clip_g=g, clip_decay=r) for e, (g, r) in
@@ -146,7 +149,7 @@ def figure(out: Path, flower: bool, supernodes: int, noise_seed: int) -> None:
 
 
 def flower_run(out: Path, spec: ProblemSpec, tuned: dict, supernodes: int, noise_seed: int, users) -> dict:  # noqa: ANN001
-    from flwr_jdp.simulation import simulate
+    from research.simulation import simulate
 
     params = tuned["priv-altmin@5"]
     cfg = AltMinConfig(target_epsilon=5.0, delta=DELTA, **params)

@@ -2,7 +2,7 @@
 
 No training: the noise multipliers come from the project's own schedule and calibration
 (:func:`~flwr_jdp.privacy.schedule.build_schedule`, :func:`~flwr_jdp.privacy.schedule.calibrate_schedule`,
-PLD), for the run config of each cell (:func:`~flwr_jdp.reproduce.joint_dp.run_config`:
+PLD), for the run config of each cell (:func:`~research.reproduce_joint_dp.run_config`:
 N = 10,000 records split evenly, delta = 1e-4, the paper's E and T, HPARAMS' batch).
 
 The bound. Over a run, the shared parameters move by the sum of the released noisy
@@ -33,14 +33,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 from flwr_jdp.config import parse_config
 from flwr_jdp.privacy.schedule import OwnerSize, build_schedule, calibrate_schedule
-from flwr_jdp.reproduce.joint_dp import PAPER_SCHEDULE, Cell, run_config, shared_parameter_count
-from flwr_jdp.reproduce.results_csv import write_csv
 
+# research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from research.reproduce_joint_dp import PAPER_SCHEDULE, Cell, run_config, shared_parameter_count  # noqa: E402
+from research.results_csv import write_csv  # noqa: E402
+
 N = 10_000
 FIELDS = ("kind", "owners", "trust", "personal_layers", "shared_params", "records_per_owner", "batch",
           "local_epochs", "rounds", "sample_rate", "releases", "noise_multiplier", "epsilon",

@@ -32,9 +32,11 @@ from flwr.app import Context, RecordDict
 from flwr_jdp.apps import owner_state
 
 from flwr_jdp.config import parse_config
-from flwr_jdp.reproduce.joint_dp import Cell, run_config
 
+# research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from research.reproduce_joint_dp import Cell, run_config  # noqa: E402
 
 
 def rss_bytes() -> int:

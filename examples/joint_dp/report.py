@@ -21,7 +21,11 @@ import sys
 from pathlib import Path
 
 from flwr_jdp.config import FINETUNE_LEARNING_RATE
-from flwr_jdp.reproduce.joint_dp import (
+
+# research/ (the reproductions' code) is not installed: import it from the repository root
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from research.reproduce_joint_dp import (  # noqa: E402
     PERSONAL_RULES,
     Cell,
     hparams_for,
@@ -29,9 +33,7 @@ from flwr_jdp.reproduce.joint_dp import (
     read_rows,
     shared_parameter_count,
 )
-from flwr_jdp.reproduce.runs_archive import runs_folder
-
-ROOT = Path(__file__).resolve().parents[2]
+from research.runs_archive import runs_folder  # noqa: E402
 
 
 def _fmt(row: dict[str, str]) -> str:

@@ -4,9 +4,10 @@ Every ``--interval`` seconds it sums the proportional set size (PSS, from
 ``/proc/PID/smaps_rollup``; shared pages such as Ray's object store are split among
 the processes that map them, so the sum does not double count) of every process
 whose command line contains one of ``--match`` (default: Ray's actors and services
-and the ``flwr-jdp``/``flwr`` processes), and appends
+and the reproduction's and ``flwr`` processes), and appends
 ``time,processes,pss_mib,owners,method,trust,epsilon,records_per_user,personal`` to
-``--out``; the last six are read from the command line of the ``flwr-jdp reproduce``
+``--out``; the last six are read from the command line of the reproduction
+(``python -m research.reproduce_joint_dp``, or the former ``flwr-jdp reproduce``)
 process running at that moment (empty when none is, or when the command leaves that
 option at its default), so every sample names the cell it belongs to. As for argparse,
 an option given twice counts with its last value. It stops after ``--duration`` seconds or when killed; every sample is on
@@ -16,7 +17,7 @@ Used beside the Table 1 cells at n = 512 (issue 3: "the 512-owner simulation mus
 finish; memory per owner reported")::
 
     python examples/joint_dp/simulation_memory.py --out results/joint_dp/memory_cells.csv &
-    flwr-jdp reproduce joint-dp --owners 512 ...
+    python -m research.reproduce_joint_dp --owners 512 ...
 
 ``examples/joint_dp/report.py`` reads every ``memory_*.csv`` beside the tables and
 reports the peak per cell.
@@ -28,10 +29,10 @@ import argparse
 import time
 from pathlib import Path
 
-DEFAULT_MATCH = ("ray::", "/ray/", "flwr-jdp", "flwr-", "flower-")
+DEFAULT_MATCH = ("ray::", "/ray/", "research.reproduce_joint_dp", "flwr-jdp", "flwr-", "flower-")
 FIELDS = ("time", "processes", "pss_mib", "owners", "method", "trust", "epsilon", "records_per_user",
           "personal")
-#: ``flwr-jdp reproduce`` options that name a cell, in the CSV's order.
+#: Reproduction options that name a cell, in the CSV's order.
 CELL_OPTIONS = ("--owners", "--method", "--trust", "--epsilon", "--records-per-user", "--personal")
 
 
@@ -43,13 +44,19 @@ def _pss_kib(pid: str) -> int:
 
 
 def cell_of_command(argv: list[str]) -> list[str]:
-    """The values of ``CELL_OPTIONS`` in a ``flwr-jdp reproduce`` command line ("" for an
+    """The values of ``CELL_OPTIONS`` in a reproduction's command line ("" for an
     option it leaves out; the last value of an option it repeats, as argparse reads it)."""
     values = dict.fromkeys(CELL_OPTIONS, "")
     for opt, value in zip(argv, argv[1:], strict=False):
         if opt in values:
             values[opt] = value
     return list(values.values())
+
+
+def is_reproduction(argv: list[str]) -> bool:
+    """Whether ``argv`` runs a joint-DP cell: ``python -m research.reproduce_joint_dp ...``
+    (or the ``flwr-jdp reproduce joint-dp ...`` of the runs before it moved to ``research/``)."""
+    return "research.reproduce_joint_dp" in argv or ("reproduce" in argv and any(a.endswith("flwr-jdp") for a in argv))
 
 
 def sample(match: tuple[str, ...]) -> tuple[int, float, list[str]]:
@@ -65,7 +72,7 @@ def sample(match: tuple[str, ...]) -> tuple[int, float, list[str]]:
                 continue
             kib += _pss_kib(entry.name)
             count += 1
-            if "reproduce" in argv and any(a.endswith("flwr-jdp") for a in argv):
+            if is_reproduction(argv):
                 cell = cell_of_command(argv)
         except (OSError, ValueError):
             continue  # the process ended while we read it

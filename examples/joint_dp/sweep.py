@@ -1,7 +1,7 @@
 """Driver for the joint-DP paper's sweeps (Table 1, Figure 1, Table 2, Table 4).
 
-Every cell is one call of ``flwr-jdp reproduce joint-dp`` (the same code,
-:func:`flwr_jdp.reproduce.joint_dp.run_cell`): Flower simulations of the project's
+Every cell is one call of ``python -m research.reproduce_joint_dp`` (the same code,
+:func:`research.reproduce_joint_dp.run_cell`): Flower simulations of the project's
 ServerApp/ClientApp, one per seed, appending a row to a CSV. Cells already in the
 CSV are skipped, so an interrupted sweep continues where it stopped.
 
@@ -19,9 +19,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from flwr_jdp.reproduce.joint_dp import Cell, read_rows, run_cell
-
+# research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from research.reproduce_joint_dp import Cell, read_rows, run_cell  # noqa: E402
+
 ALL_OWNERS = (4, 16, 64, 128, 256, 512)
 TABLE4_OWNERS = (4, 256)
 EPSILONS = (1.0, 2.0, 5.0, 10.0, 100.0)

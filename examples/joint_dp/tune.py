@@ -2,7 +2,7 @@
 never on test.
 
 Each grid point is one Flower simulation of the project's apps
-(:func:`flwr_jdp.reproduce.joint_dp.run_seed`, Ray backend), the same as a table
+(:func:`research.reproduce_joint_dp.run_seed`, Ray backend), the same as a table
 cell, except that ``validation-fraction`` carves a validation split out of every
 owner's *training* records: the owners train on the rest, and the accuracy that is
 reported, and used to choose, is on that validation split. The test split is not
@@ -56,10 +56,13 @@ from pathlib import Path
 
 from flwr_jdp.config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT, RELEASE_PERSONAL
 from flwr_jdp.data.partition import VALIDATION_SOURCES
-from flwr_jdp.reproduce.joint_dp import Cell, append_row, finetune_columns, run_seed
-from flwr_jdp.reproduce.joint_dp import upgrade_table as upgrade_rows
 
+# research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from research.reproduce_joint_dp import Cell, append_row, finetune_columns, run_seed  # noqa: E402
+from research.reproduce_joint_dp import upgrade_table as upgrade_rows  # noqa: E402
+
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "personal_layers", "coupling",
            "validation_fraction", "learning_rate", "personal_learning_rate", "noise_multiplier",
            "final_epsilon", "val_acc", "seconds", "clipping_norm", "ema_decay", "records_per_user",

@@ -17,14 +17,17 @@ writes ``results/joint_dp/validation_bias.csv``.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from flwr_jdp.data.partition import load_partitions
-from flwr_jdp.reproduce.results_csv import write_csv
 
+# research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from research.results_csv import write_csv  # noqa: E402
 
 
 def prior_of_evaluated_class(owners) -> float:

@@ -34,11 +34,15 @@ import csv
 import itertools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 from flwr_jdp.mtl.algorithm import MTLConfig, local_only, run_single_process
 from flwr_jdp.mtl.config import TaskSource
+
+# research/ (the reproductions' code) is not installed: import it from the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 OWNERS, DELTA, EPSILONS = 256, 1e-4, (1.0, 8.0)
 FIXED = {"local_steps": 10, "lr": 3.0, "finetune_steps": 100, "finetune_lr": 3.0}
@@ -84,8 +88,8 @@ def mtl_run_config(tuned: dict, eps: float, calibration: str, results_dir: Path,
 
 
 def run(args: argparse.Namespace, out: Path) -> None:
-    from flwr_jdp.reproduce.joint_dp import Cell, run_seed
-    from flwr_jdp.simulation import simulate
+    from research.reproduce_joint_dp import Cell, run_seed
+    from research.simulation import simulate
 
     tuned = json.loads((out / "real_tuned.json").read_text())
     path = out / "real_data.csv"

@@ -27,16 +27,20 @@ from __future__ import annotations
 
 import argparse
 import csv
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from flwr_jdp.reproduce.results_csv import write_csv
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import SubjectDPConfig
 from flwr_jdp.subject.group_privacy import noise_per_subject_sensitivity
 from flwr_jdp.subject.plan import make_plan, sample_rates
+
+# research/ (the reproductions' code) is not installed: import it from the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from research.results_csv import write_csv  # noqa: E402
 
 MODES = {f"{a}/{i}": (a, i) for a, i in [("exact", "subject"), ("scaled-steps", "subject"),
                                          ("sqrt-rounds", "subject"), ("scaled-steps", "record"),

@@ -41,12 +41,15 @@ import csv
 import fcntl
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 from femnist import make_parser, run_one
 
-from flwr_jdp.reproduce.results_csv import write_csv
+# research/ (the reproductions' code) is not installed: import it from the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from research.results_csv import write_csv  # noqa: E402
 
 #: run -> the scale.csv column that holds its noise multiplier for N writers
 NOISE_COLUMN = {"higradavg-exact": "noise_multiplier", "local-item-dp": "local_item_dp_noise_multiplier"}

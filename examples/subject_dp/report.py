@@ -36,6 +36,7 @@ import argparse
 import csv
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -43,11 +44,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from flwr_jdp.reproduce.results_csv import write_csv  # noqa: E402
-from flwr_jdp.reproduce.runs_archive import runs_folder  # noqa: E402
-
+# research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]
-
+sys.path.insert(0, str(ROOT))
+from research.results_csv import write_csv  # noqa: E402
+from research.runs_archive import runs_folder  # noqa: E402
 
 TITLES = {"femnist": "FEMNIST, 300 writers as subjects", "shakespeare": "Tiny Shakespeare, 134 characters as subjects"}
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -43,11 +44,14 @@ from pathlib import Path
 import numpy as np
 
 from flwr_jdp.privacy.horizontal import subject_inclusion_rate
-from flwr_jdp.reproduce.results_csv import write_csv
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import SubjectDPConfig
 from flwr_jdp.subject.plan import make_plan
 from flwr_jdp.subject.task import build_subject_model
+
+# research/ (the reproductions' code) is not installed: import it from the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from research.results_csv import write_csv  # noqa: E402
 
 FIELDS = ["writers", "records_per_silo_mean", "record_rate_max", "inclusion_rate_mean",
           "noise_multiplier", "epsilon", "epsilon_sfold", "subjects_per_batch", "noise_norm",

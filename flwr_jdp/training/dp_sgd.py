@@ -150,28 +150,56 @@ def clipped_unit_sum(
 ) -> list[torch.Tensor]:
     """Sum over units of (per-record clipped gradients averaged within the unit).
 
-    Reads Opacus's ``grad_sample`` of each shared parameter. Every unit's term has
-    L2 norm <= ``clipping_norm`` over all shared parameters jointly. A record whose
-    gradient has a non-finite value is zeroed before clipping (:func:`finite_rows`).
+    Reads the per-sample gradients in ``grad_sample`` of each shared parameter
+    (torch.func's or Opacus's). Every unit's term has L2 norm <= ``clipping_norm``
+    over all shared parameters jointly. A record whose gradient has a non-finite
+    value is zeroed before clipping: it is found by its norm, which is then NaN or
+    infinite (a finite gradient whose norm overflows is zeroed too, as clipping
+    would scale it by C / inf = 0 anyway). One fused norm per parameter and one
+    matrix-vector product: element-wise passes over the ``records x parameters``
+    gradients (``isfinite``, ``g * g``) cost more than the backward pass itself.
+    A linear layer's weight may hold its per-sample gradients factored
+    (:class:`~flwr_jdp.training.per_sample.OuterProducts`): same norms, same sums.
     """
     n = len(batch.records)
-    per_sample = [p.grad_sample.reshape(n, -1) for p in shared]
-    finite = finite_rows(per_sample)
+    per_sample = [_rows(p.grad_sample, n) for p in shared]
+    norms = torch.linalg.vector_norm(torch.stack([_row_norms(g) for g in per_sample]), dim=0)
+    finite = torch.isfinite(norms)
     if not bool(finite.all()):
-        per_sample = [torch.where(finite[:, None], g, torch.zeros((), dtype=g.dtype)) for g in per_sample]
-    norms = torch.sqrt(sum((g * g).sum(1) for g in per_sample))
+        per_sample = [_keep_rows(g, finite) for g in per_sample]
+        norms = torch.where(finite, norms, torch.zeros((), dtype=norms.dtype))
     factors = clip_coefficients(norms, clipping_norm)
     counts = torch.bincount(batch.units, minlength=batch.num_units).clamp(min=1).to(factors.dtype)
     weights = factors / counts[batch.units]  # clip, then average within the unit
-    return [(weights @ g).reshape(p.shape) for g, p in zip(per_sample, shared, strict=False)]
+    return [_weighted_sum(weights, g).reshape(p.shape) for g, p in zip(per_sample, shared, strict=False)]
 
 
-def finite_rows(per_sample: list[torch.Tensor]) -> torch.Tensor:
+def _rows(grad_sample: torch.Tensor | per_sample.OuterProducts, n: int):  # noqa: ANN202
+    """Per-sample gradients as ``(records, -1)`` (factored ones as they are)."""
+    return grad_sample if isinstance(grad_sample, per_sample.OuterProducts) else grad_sample.reshape(n, -1)
+
+
+def _row_norms(g) -> torch.Tensor:  # noqa: ANN001
+    return g.row_norms() if isinstance(g, per_sample.OuterProducts) else torch.linalg.vector_norm(g, dim=1)
+
+
+def _keep_rows(g, keep: torch.Tensor):  # noqa: ANN001, ANN202
+    if isinstance(g, per_sample.OuterProducts):
+        return g.keep_rows(keep)
+    return torch.where(keep[:, None], g, torch.zeros((), dtype=g.dtype))
+
+
+def _weighted_sum(weights: torch.Tensor, g) -> torch.Tensor:  # noqa: ANN001
+    return g.weighted_sum(weights) if isinstance(g, per_sample.OuterProducts) else weights @ g
+
+
+def finite_rows(per_sample_rows: list) -> torch.Tensor:
     """Boolean mask of the records (rows) whose per-sample gradients are finite in
-    every parameter (``per_sample``: one ``(records, -1)`` tensor per parameter)."""
-    finite = torch.ones(per_sample[0].shape[0], dtype=torch.bool, device=per_sample[0].device)
-    for g in per_sample:
-        finite &= torch.isfinite(g).all(dim=1)
+    every parameter (``per_sample_rows``: one ``(records, -1)`` tensor, or
+    :class:`~flwr_jdp.training.per_sample.OuterProducts`, per parameter)."""
+    finite = torch.ones(len(per_sample_rows[0]), dtype=torch.bool)
+    for g in per_sample_rows:
+        finite &= g.finite_rows() if isinstance(g, per_sample.OuterProducts) else torch.isfinite(g).all(dim=1)
     return finite
 
 
@@ -345,7 +373,7 @@ def _personal_grads(shared: list[nn.Parameter], personal: list[nn.Parameter],
     if all(g is not None and bool(torch.isfinite(g).all()) for g in grads):
         return grads  # the usual case: no record was zeroed
     n = len(batch.records)
-    rows = [p.grad_sample.reshape(n, -1) for p in shared + personal
+    rows = [_rows(p.grad_sample, n) for p in shared + personal
             if getattr(p, "grad_sample", None) is not None]
     finite = finite_rows(rows)
     return [torch.where(finite[:, None], p.grad_sample.reshape(n, -1),

@@ -18,7 +18,7 @@ GroupNorm (the models' ``norm="group"``) normalises each record on its own, so i
 is per-sample and ``vmap`` computes it correctly; but ``vmap`` has no batching
 rule for its backward kernel and decomposes it into about ten element-wise ops,
 which made the seed CNN's step ~1.5x slower than a plain step. Inside the
-transform, ``F.group_norm`` is therefore replaced (a thread-local
+transform of a model with ``nn.GroupNorm`` layers, ``F.group_norm`` is therefore replaced (a thread-local
 :class:`~torch.overrides.TorchFunctionMode`) by :class:`_GroupNorm`, whose vmap
 rules call the fused forward and backward kernels once on the whole chunk and
 compute the per-record weight and bias gradients from two reductions.
@@ -32,6 +32,7 @@ then falls back to Opacus's hooks for that model class (one log line).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +67,10 @@ class FuncPerSample:
             if isinstance(module, nn.modules.batchnorm._BatchNorm):  # noqa: SLF001
                 raise FuncUnsupported(f"{type(module).__name__} mixes the records of a batch")
         self.model = model
+        self.group_norm = any(isinstance(m, nn.GroupNorm) for m in model.modules())
         self.summed = set(summed)
         self.params = dict(model.named_parameters())
+        self.single_row_linear: set[str] | None = None  # found on the first batch
         model.train()
 
     def backward(self, xb: torch.Tensor, yb: torch.Tensor) -> float:
@@ -77,25 +80,34 @@ class FuncPerSample:
         n = len(yb)
         if n == 0:
             return float("nan")
-        wrt = {k: p.detach() for k, p in self.params.items() if p.requires_grad}
-        const = {k: p.detach() for k, p in self.params.items() if not p.requires_grad}
+        if self.single_row_linear is None:
+            self.single_row_linear = _single_row_linear_weights(self.model, self.params, xb[:1])
+        factored = {k for k in self.single_row_linear if self.params[k].requires_grad and k not in self.summed}
+        wrt = {k: p.detach() for k, p in self.params.items() if p.requires_grad and k not in factored}
+        const = {k: p.detach() for k, p in self.params.items() if k not in wrt}
         const.update((k, b.detach()) for k, b in self.model.named_buffers())
+        probes = {k: torch.zeros(1, self.params[k].shape[0], dtype=self.params[k].dtype) for k in factored}
+        mode = _Transform(self.group_norm, {id(const[k]): k for k in factored})
         model = self.model
 
-        def loss_of_one(w: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor):
+        def loss_of_one(w: dict[str, torch.Tensor], zero: dict[str, torch.Tensor], xi: torch.Tensor,
+                        yi: torch.Tensor):
+            mode.zero, mode.inputs = zero, {}
             out = functional_call(model, {**const, **w}, (xi.unsqueeze(0),))
             loss = F.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
-            return loss, loss.detach()
+            return loss, (loss.detach(), mode.inputs)
 
-        per_record = vmap(grad(loss_of_one, has_aux=True), in_dims=(None, 0, 0), randomness="different",
-                          chunk_size=CHUNK if n > CHUNK else None)
-        with _FastGroupNorm():
-            grads, losses = per_record(wrt, xb, yb)
+        per_record = vmap(grad(loss_of_one, argnums=(0, 1), has_aux=True), in_dims=(None, None, 0, 0),
+                          randomness="different", chunk_size=CHUNK if n > CHUNK else None)
+        with mode:
+            (grads, out_grads), (losses, inputs) = per_record(wrt, probes, xb, yb)
         for k, g in grads.items():
             p = self.params[k]
             p.grad_sample = g
             if k in self.summed:
                 p.grad = g.sum(0)
+        for k in factored:
+            self.params[k].grad_sample = OuterProducts(out_grads[k].reshape(n, -1), inputs[k].reshape(n, -1))
         return float(losses.sum()) / n
 
     def clear(self) -> None:
@@ -111,15 +123,107 @@ class FuncPerSample:
             p.grad = None
 
 
-# ------------------------------------------------------------ GroupNorm under vmap
-class _FastGroupNorm(TorchFunctionMode):
-    """Within the block (this thread only), ``F.group_norm`` is :class:`_GroupNorm`."""
+# ------------------------------------------------ linear layers: factored gradients
+@dataclass(frozen=True)
+class OuterProducts:
+    """Per-sample gradients ``out_grads[i] (x) inputs[i]`` of a linear layer's weight,
+    kept factored: ``(n, out)`` and ``(n, in)`` instead of ``(n, out, in)``.
+
+    A linear layer applied once to one row per record has the per-record weight
+    gradient ``g_i a_i^T`` (``g_i``: gradient of the loss in the layer's output,
+    ``a_i``: its input), whose norm is ``|g_i| |a_i|`` and whose weighted sum over
+    records is one matrix product ``(w * G)^T A``: what the clipped sum needs,
+    without writing (or reading back) ``n x out x in`` numbers.
+    """
+
+    out_grads: torch.Tensor
+    inputs: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.out_grads.shape[0]
+
+    def row_norms(self) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.out_grads, dim=1) * torch.linalg.vector_norm(self.inputs, dim=1)
+
+    def finite_rows(self) -> torch.Tensor:
+        return torch.isfinite(self.out_grads).all(1) & torch.isfinite(self.inputs).all(1)
+
+    def keep_rows(self, keep: torch.Tensor) -> OuterProducts:
+        zero = torch.zeros((), dtype=self.out_grads.dtype)
+        return OuterProducts(torch.where(keep[:, None], self.out_grads, zero),
+                             torch.where(keep[:, None], self.inputs, zero))
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        return (self.out_grads * weights[:, None].to(self.out_grads.dtype)).T @ self.inputs
+
+    def materialize(self) -> torch.Tensor:
+        return self.out_grads[:, :, None] * self.inputs[:, None, :]
+
+
+class _Uses(TorchFunctionMode):
+    """Counts every use of each parameter by a torch function (its argument), and
+    notes the uses that are ``F.linear``'s weight applied to one input row."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        super().__init__()
+        self.names: dict[int, str] = names
+        self.uses: dict[str, int] = {}
+        self.single_row_linear: dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        if func is F.group_norm:
-            return _group_norm(*args, **kwargs)
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, list | tuple) else (a,):
+                name = self.names.get(id(t))
+                if name is not None:
+                    self.uses[name] = self.uses.get(name, 0) + 1
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            name = self.names.get(id(weight))
+            if name is not None and x.dim() == 2 and x.shape[0] == 1:
+                self.single_row_linear[name] = self.single_row_linear.get(name, 0) + 1
         return func(*args, **kwargs)
+
+
+def _single_row_linear_weights(model: nn.Module, params: dict[str, nn.Parameter], one: torch.Tensor) -> set[str]:
+    """Weights used once per forward, as ``F.linear``'s weight on one row (a record's
+    feature vector), and nowhere else: their per-record gradients can be factored.
+    Found by one forward pass of one record, without gradients; checked again in
+    every transformed pass (:class:`_Transform`)."""
+    uses = _Uses({id(p): k for k, p in params.items()})
+    with torch.no_grad(), uses:
+        model(one)
+    return {k for k, c in uses.single_row_linear.items() if c == 1 and uses.uses.get(k) == 1 and params[k].dim() == 2}
+
+
+class _Transform(TorchFunctionMode):
+    """Within the transform (this thread only): ``F.group_norm`` is :class:`_GroupNorm`;
+    ``F.linear`` with a factored weight (``factored``: ``id`` of the constant passed
+    for it -> its name) adds the zero probe ``zero[name]`` to its output, so that the
+    gradient in the probe is the layer's output gradient, and records its input."""
+
+    def __init__(self, group_norm: bool, factored: dict[int, str]) -> None:
+        super().__init__()
+        self.group_norm, self.factored = group_norm, factored
+        self.zero: dict[str, torch.Tensor] = {}
+        self.inputs: dict[str, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is F.group_norm and self.group_norm:
+            return _group_norm(*args, **kwargs)
+        if func is F.linear and self.factored:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            name = self.factored.get(id(weight))
+            if name is not None:
+                if name in self.inputs or x.dim() != 2 or x.shape[0] != 1:
+                    raise FuncUnsupported(f"{name} is not applied once to one row per record")
+                self.inputs[name] = x.detach()
+                return func(*args, **kwargs) + self.zero[name]
+        return func(*args, **kwargs)
+
+
+# ------------------------------------------------------------ GroupNorm under vmap
 
 
 def _group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
@@ -133,18 +237,22 @@ def _gn_forward(x, groups, weight, bias, eps):  # noqa: ANN001, ANN202
 
 
 def _gn_backward_rows(gy, x, mean, rstd, weight, groups):  # noqa: ANN001, ANN202
-    """Input gradient, and each row's (record's) weight and bias gradients ``(N, C)``."""
+    """Input gradient, and each row's (record's) weight and bias gradients ``(N, C)``.
+
+    The N rows are seen as one row of N x C channels in N x G groups (a group's
+    channels are contiguous, so its statistics are the same), with the weight
+    repeated N times: the fused kernel's weight and bias gradients, summed over
+    that single row, are then the per-row ones."""
     n, c = x.shape[0], x.shape[1]
-    dx = torch.ops.aten.native_group_norm_backward(gy, x, mean, rstd, weight, n, c, x[0, 0].numel(),
-                                                   groups, [True, False, False])[0]
+    hxw = x[0, 0].numel()
+    mask = [True, weight is not None, weight is not None]
+    dx, dw, db = torch.ops.aten.native_group_norm_backward(
+        gy.reshape(1, n * c, hxw), x.reshape(1, n * c, hxw), mean.reshape(1, n * groups),
+        rstd.reshape(1, n * groups), None if weight is None else weight.repeat(n), 1, n * c, hxw, n * groups, mask)
+    dx = dx.reshape(x.shape)
     if weight is None:
         return dx, None, None
-    gyf = gy.reshape(n * c, 1, -1)
-    dot = torch.bmm(gyf, x.reshape(n * c, -1, 1)).reshape(n, c)  # sum over positions of gy * x
-    db = gyf.sum(-1).reshape(n, c)
-    per_group = c // groups
-    m, r = mean.repeat_interleave(per_group, dim=1), rstd.repeat_interleave(per_group, dim=1)
-    return dx, (dot - db * m) * r, db  # dgamma = sum gy * (x - mean) * rstd
+    return dx, dw.reshape(n, c), db.reshape(n, c)
 
 
 def _to_front(t: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:

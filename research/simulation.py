@@ -8,7 +8,7 @@ SuperNodes. Node ``i`` gets ``partition-id = i`` and ``num-partitions =
 num_supernodes`` and hosts the owners ``flwr_jdp.protocol.hosted_owners`` assigns
 to it, so one SuperNode may host many owners (fewer, larger messages).
 
-Used by the benchmarks and by ``flwr-jdp reproduce``.
+Used by the benchmarks, the tests and ``python -m research.reproduce_joint_dp``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ def simulate(
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
-
     from flwr_jdp.apps import altmin_app, fedavg_app, mtl_app, server_app
     from flwr_jdp.apps import client_app as jdp_client
 

@@ -1,8 +1,15 @@
 """Reproduce the joint-DP paper's experiments (section 4, appendix C), one cell at a time.
 
+From the repository root (``research/`` is not installed)::
+
+    python -m research.reproduce_joint_dp --dataset fashion-mnist --data-dir DIR --owners N \
+        --method joint-dp --epsilon E --seeds K --trust local --out DIR
+
+runs one cell as Flower simulations (one per seed) and appends a row to ``OUT/table.csv``.
+
 A *cell* is (data set, n owners, method, trust model, epsilon, records per user,
 personal layers). Every seed of a cell is one Flower simulation of the project's
-own ServerApp and ClientApp (:func:`flwr_jdp.simulation.simulate`, Ray backend).
+own ServerApp and ClientApp (:func:`research.simulation.simulate`, Ray backend).
 The reported accuracy of a run is the paper's: the mean over owners of each
 owner's own model (shared + personal parameters) on its own test split, after the
 last round; a cell reports mean and standard deviation over seeds.
@@ -70,6 +77,7 @@ model to the owner's own records (run-config ``finetune-epochs``).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import functools
 import json
@@ -77,13 +85,36 @@ import math
 import os
 import re
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT, RELEASE_PERSONAL, comparable, parse_config
+from flwr_jdp.config import (
+    FINETUNE_LEARNING_RATE,
+    MAX_AUGMENT_SHIFT,
+    RELEASE_PERSONAL,
+    config_digest,
+    parse_config,
+)
+from flwr_jdp.data.partition import VALIDATION_SOURCES
+
+#: Run-config keys added after results were committed, with the value every
+#: earlier run used: a stored config without the key equals one with it at this value.
+ADDED_KEYS: dict[str, Any] = {"ema-decay": 0.0, "user-batch-size": 0.0, "finetune-epochs": 0,
+                              "finetune-learning-rate": FINETUNE_LEARNING_RATE, "augment-shift": 0,
+                              "validation-source": "carve", "release-personal": "seeded",
+                              "secure-noise": False, "neighbouring": "add-remove",
+                              "max-skipped-rounds": 3}
+
+
+def comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without the :data:`ADDED_KEYS` at their earlier value, so a run
+    stored before a key existed matches the same run configured today."""
+    return {k: v for k, v in config.items() if not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
+
 
 METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
 TRUST = ("local", "central")
@@ -270,7 +301,7 @@ class Cell:
 @functools.cache
 def _seed_cnn_sizes() -> dict[str, int]:
     """Parameter name -> size of the seed CNN (28x28 grey images, GroupNorm); built once."""
-    from ..models.seed_cnn import SeedCNN  # torch only when counted
+    from flwr_jdp.models.seed_cnn import SeedCNN  # torch only when counted
 
     return {name: p.numel() for name, p in SeedCNN().named_parameters()}
 
@@ -355,9 +386,7 @@ def run_seed(cell: Cell, seed: int, data_dir: str, work_dir: Path, supernodes: i
     configuration (all keys but ``results-dir``; ``data-dir`` compared as a resolved
     path, so a relative and an absolute spelling of one folder match) is not run
     again: its results are returned as they are."""
-    from flwr_jdp.strategies.checkpoint import config_digest
-
-    from ..simulation import simulate
+    from .simulation import simulate
 
     results_dir = work_dir / cell.name / f"seed{seed}"
     cfg = run_config(cell, seed, data_dir, str(results_dir), **kwargs)
@@ -484,6 +513,113 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-__all__ = ["COLUMNS", "Cell", "HPARAMS", "METHODS", "PAPER_SCHEDULE", "PERSONAL_RULES", "TRUST", "append_row",
-           "finetune_columns", "hparams_for", "personal_parameter_count", "read_rows", "run_cell", "run_config",
-           "run_seed", "schedule_for", "shared_parameter_count", "upgrade_table"]
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of one cell (``python -m research.reproduce_joint_dp --help``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m research.reproduce_joint_dp",
+        description="Run one cell of the joint-DP paper's tables (1, 2, 4) as Flower simulations "
+        "(one per seed) and append a row to OUT/TABLE. Run from the repository root.")
+    parser.add_argument("--dataset", choices=("fashion-mnist", "mnist", "digits"), default="fashion-mnist",
+                        help="data set of the owners")
+    parser.add_argument("--data-dir", default="", help="folder with the four IDX .gz files "
+                        "(empty: Hugging Face through flwr-datasets)")
+    parser.add_argument("--owners", type=_positive(int), required=True, help="number of owners n")
+    parser.add_argument("--method", choices=("per-silo", "fedavg", "full-dp", "joint-dp"), required=True,
+                        help="the method of the table's row")
+    parser.add_argument("--epsilon", type=_positive(float), default=1.0, help="target epsilon of each run")
+    parser.add_argument("--seeds", type=_positive(int), default=3, help="seeds (runs) per cell")
+    parser.add_argument("--quick", action="store_true", help="one seed")
+    parser.add_argument("--trust", choices=("local", "central"), default="local",
+                        help="noise placement: local (owners noise) or central (trusted server)")
+    parser.add_argument("--records-per-user", type=_positive(int), default=1, help="m/r (user unit if > 1)")
+    parser.add_argument("--personal", default="fc1", help="personal layers: fc1, conv1, conv2, "
+                        "conv1+fc1, conv2+fc1, conv1+conv2, conv1+conv2+fc1 (the paper's Table 2), "
+                        "fc1+fc2, conv1+fc1+fc2 (both heads personal)")
+    parser.add_argument("--coupling", choices=("decoupled", "interleaved"), default="decoupled",
+                        help="joint-dp personal layers: decoupled from the shared release (DP holds) or "
+                        "interleaved (the paper's Algorithm 1; record-level guarantee not established)")
+    parser.add_argument("--learning-rate", type=_positive(float), default=None,
+                        help="learning rate of the shared parameters (default: the method's; choose it "
+                        "on validation with examples/joint_dp/tune.py --learning-rates)")
+    parser.add_argument("--personal-learning-rate", type=_positive(float), default=None,
+                        help="personal learning rate (default: the method's; choose it on validation "
+                        "with examples/joint_dp/tune.py)")
+    parser.add_argument("--ema-decay", type=float, default=0.0,
+                        help="in [0, 1): evaluate the owners on a moving average of the shared model "
+                        "(post-processing, no privacy cost); 0 = the last aggregate")
+    parser.add_argument("--user-batch-size", type=float, default=0.0,
+                        help="user level (--records-per-user > 1): expected users per DP batch "
+                        "(default 0: as many users as fill the method's batch of records; choose it on "
+                        "validation with examples/joint_dp/tune.py --user-batch-sizes)")
+    parser.add_argument("--finetune-epochs", type=int, default=0,
+                        help="joint-dp: epochs of plain SGD on all layers over the owner's own records that "
+                        "adapt each owner's model after the last round, before it is evaluated (never "
+                        "sent, no privacy cost; 0 = none)")
+    parser.add_argument("--finetune-learning-rate", type=float, default=FINETUNE_LEARNING_RATE,
+                        help="learning rate of that adaptation")
+    parser.add_argument("--augment-shift", type=int, default=0,
+                        help="pixels of random translation of the owners' own non-private training "
+                        "batches (personal layers, per-silo, FedAvg, adaptation; DP-SGD releases are not "
+                        "augmented, so no privacy cost); choose it on validation with "
+                        "examples/joint_dp/tune.py --augment-shifts; 0 = none")
+    parser.add_argument("--release-personal", choices=RELEASE_PERSONAL, default="seeded",
+                        help="joint-dp, decoupled: the public values of the personal layers in the model "
+                        "each release is computed on (seeded initialisation, or the personal head at "
+                        "zero); a constant either way, so the release is the same DP-SGD")
+    parser.add_argument("--supernodes", type=_positive(int), default=2,
+                        help="simulated SuperNodes; the owners are spread over them")
+    parser.add_argument("--local-epochs", type=_positive(int), default=None, help="default: paper Table 3")
+    parser.add_argument("--rounds", type=_positive(int), default=None, help="default: paper Table 3")
+    parser.add_argument("--validation-fraction", type=float, default=0.0,
+                        help="> 0: evaluate on a validation split of the training data (tuning)")
+    parser.add_argument("--validation-source", choices=VALIDATION_SOURCES, default="carve",
+                        help="carve: part of each owner's training records; pool: training-set records "
+                        "outside the 10,000 used, dealt like the test split (owners train on all theirs)")
+    parser.add_argument("--table", default="table.csv", help="CSV file name inside --out")
+    parser.add_argument("--ray-address", default=None,
+                        help="run on an existing Ray cluster (ray start --head ...), e.g. 127.0.0.1:6379")
+    parser.add_argument("--out", required=True, help="results folder (rows appended to OUT/TABLE)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cell = Cell(args.dataset, args.owners, args.method, args.trust, args.epsilon,
+                    args.records_per_user, args.personal, args.coupling,
+                    lr=args.learning_rate or 0.0,
+                    personal_lr=args.personal_learning_rate or 0.0, ema_decay=args.ema_decay,
+                    user_batch=args.user_batch_size, finetune_epochs=args.finetune_epochs,
+                    finetune_lr=args.finetune_learning_rate, augment=args.augment_shift,
+                    release=args.release_personal)
+    except ValueError as err:
+        print(f"research.reproduce_joint_dp: {err}", file=sys.stderr)
+        return 2
+    row = run_cell(cell, 1 if args.quick else args.seeds, args.data_dir, args.out,
+                   supernodes=args.supernodes, table=args.table, ray_address=args.ray_address,
+                   local_epochs=args.local_epochs, rounds=args.rounds,
+                   validation_fraction=args.validation_fraction,
+                   validation_source=args.validation_source)
+    print(", ".join(f"{k}={v}" for k, v in row.items()))
+    print(f"{row['acc_mean']:.4f}")
+    return 0
+
+
+__all__ = ["ADDED_KEYS", "COLUMNS", "Cell", "HPARAMS", "METHODS", "PAPER_SCHEDULE", "PERSONAL_RULES", "TRUST",
+           "append_row", "build_parser", "comparable", "finetune_columns", "hparams_for", "main",
+           "personal_parameter_count", "read_rows", "run_cell", "run_config", "run_seed", "schedule_for",
+           "shared_parameter_count", "upgrade_table"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Message keys of subject-level DP (server: :class:`flwr_jdp.strategies.SubjectLevelFedAvg`,
+ClientApp: :mod:`flwr_jdp.apps.subject_dp_app`), and the model <-> arrays helpers both use."""
+
+import numpy as np
+import torch
+
+CONFIG, SETUP, MODEL, STATS = "config", "setup", "model", "stats"
+SILOS = "silos"
+
+
+def silo_key(i: int) -> str:
+    return f"silo.{int(i)}"
+
+
+def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()})
