@@ -136,7 +136,8 @@ class AccountedStrategy(Strategy):
                 if server is not None:
                     row["server_metrics"] = server
             row["seconds"] = time.time() - t_round
-            self.history.append(row)
+            if not self.history or self.history[-1] is not row:  # a strategy may append it earlier
+                self.history.append(row)
             log(INFO, "%s | %.1fs", self.round_line(row), row["seconds"])
             result.arrays = arrays
             skipped = skipped + 1 if row.get("skipped") else 0

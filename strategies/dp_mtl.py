@@ -47,7 +47,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.exception import PrivacyBudgetExhausted
 
 from flwr_jdp.mtl.algorithm import MeanServer, MTLConfig
 from flwr_jdp.mtl.noise import MeanRelease, paper_sigma, tight_sigma
@@ -65,6 +65,7 @@ from flwr_jdp.mtl.protocol import (  # noqa: E402 - the keys, re-exported
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
 
+from .accounted import AccountedStrategy
 from .checkpoint import Checkpoint
 from .node_query import query_nodes
 
@@ -72,7 +73,7 @@ from .node_query import query_nodes
 BALL_SLACK = 1e-6
 
 
-class DPMeanRegularizedMTL(Strategy):
+class DPMeanRegularizedMTL(AccountedStrategy):
     """Algorithm 1: broadcast ``w~``, tasks take projected steps, release a noisy mean."""
 
     def __init__(self, num_tasks: int, num_params: int, cfg: MTLConfig, results_dir: str | Path = "",
@@ -92,6 +93,9 @@ class DPMeanRegularizedMTL(Strategy):
         self.dropped: list[str] = []
         self.status = "running"
         self.resume = resume
+        self._asked: dict[int, set[int]] = {}
+        self._charged: set[int] = set()
+        self._t0 = time.time()
         self._report: dict | None = None
         self.checkpoint = Checkpoint(Path(results_dir), dict(run_config or {})) if results_dir else None
 
@@ -152,7 +156,16 @@ class DPMeanRegularizedMTL(Strategy):
     # ------------------------------------------------------------- rounds
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Poisson-sample tasks; each node gets ``w~`` and its own sampled ids."""
+        """Charge the round's noisy mean (unless it was charged before a crash and
+        its mean never computed: that charge covers its rerun), then Poisson-sample
+        tasks; each node gets ``w~`` and its own sampled ids."""
+        if self.cfg.private and server_round not in self._charged:
+            event = self.release.event()
+            if self.ledger.would_exceed({SERVER_SCOPE: event}):
+                raise PrivacyBudgetExhausted(f"round {server_round} would exceed epsilon "
+                                             f"{self.cfg.target_epsilon}")
+            self.ledger.record_round(server_round, {SERVER_SCOPE: event}, note="noisy mean")
+            self._charged.add(server_round)
         out = []
         for node, ids in self.node_tasks.items():
             chosen = self.server.sample(ids)
@@ -160,6 +173,7 @@ class DPMeanRegularizedMTL(Strategy):
                 content = RecordDict({CONFIG: ConfigRecord({ROUND: server_round, TASKS: chosen}),
                                       MEAN: arrays})
                 out.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
+        self._asked = {m.metadata.dst_node_id: set(m.content[CONFIG][TASKS]) for m in out}
         return out
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message],
@@ -174,7 +188,7 @@ class DPMeanRegularizedMTL(Strategy):
             if MODELS not in reply.content:
                 self._drop(reply, "missing 'models' record")
                 continue
-            allowed = (asked or {}).get(reply.metadata.src_node_id)
+            allowed = (asked if asked is not None else self._asked).get(reply.metadata.src_node_id)
             for key, arr in reply.content[MODELS].items():
                 k = parse_task_key(key)
                 w = arr.numpy()
@@ -191,6 +205,9 @@ class DPMeanRegularizedMTL(Strategy):
                 got.add(k)
                 total += w
         self.mean = self.server.noisy_mean(total)
+        # The round is done once its mean exists: saved (by the loop) before it is sent,
+        # so a restart continues after it and never releases a second, uncharged mean.
+        self.history.append({"round": server_round, "tasks": len(got), "epsilon": self.epsilon_spent()})
         return self._mean_record(), MetricRecord({"tasks": len(got)})
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -227,53 +244,52 @@ class DPMeanRegularizedMTL(Strategy):
             self.release.noise_multiplier, report.get("paper_sigma", 0.0), report.get("tight_sigma", 0.0),
             self.cfg.neighbouring, self.cfg.target_epsilon, self.cfg.delta)
 
-    # ----------------------------------------------------------- main loop
-    def start(self, grid: Grid, timeout: float = 3600.0, **_: object) -> Result:  # type: ignore[override]
-        """Run ``T`` rounds (or the rest of them after a restart)."""
-        t0 = time.time()
+    # ---------------------------------------- the accounted loop's hooks
+    def prepare(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
+                timeout: float) -> tuple[ArrayRecord, range]:
+        """Resume, discover the tasks, save before round 1. ``num_rounds`` must equal
+        ``rounds`` (T, the horizon sigma is calibrated for); ``initial_arrays``, one
+        array of ``num_params`` values, is the public initial mean (default 0)."""
+        if num_rounds is not None and num_rounds != self.cfg.rounds:
+            raise ValueError(f"start(num_rounds={num_rounds}) differs from run-config 'rounds'="
+                             f"{self.cfg.rounds}, the horizon sigma is calibrated for")
+        self._t0 = time.time()
         first = self._maybe_resume()
+        if initial_arrays is not None and first == 1:
+            values = initial_arrays.to_numpy_ndarrays()
+            if len(values) != 1 or values[0].shape != (self.num_params,):
+                raise ValueError(f"initial_arrays must hold one array of {self.num_params} values "
+                                 "(the initial mean)")
+            self.mean = np.asarray(values[0], dtype=np.float64)
         self.summary()
         self.discover(grid, timeout)
-        result = Result()
-        event = self.release.event()
-        charged = {int(r["round"]) for r in self.ledger.rounds}
+        self._charged = {int(r["round"]) for r in self.ledger.rounds}
         if first == 1 and not self.history:
-            self._save(time.time() - t0)  # resumable from round 1 on (results.json exists)
-        for rnd in range(first, self.cfg.rounds + 1):
-            t_round = time.time()
-            if self.cfg.private and rnd not in charged:
-                # A round charged before a crash, whose mean was never computed, released
-                # nothing: its charge stands and it is not charged again.
-                if self.ledger.would_exceed({SERVER_SCOPE: event}):
-                    log(WARNING, "Budget: round %d would exceed epsilon %s; stopping", rnd,
-                        self.cfg.target_epsilon)
-                    self.status = "budget-exhausted"
-                    break
-                self.ledger.record_round(rnd, {SERVER_SCOPE: event}, note="noisy mean")
-                if self.checkpoint is not None:  # on disk before anything is released
-                    self.ledger.save(self.checkpoint.ledger_path)
-            messages = list(self.configure_train(rnd, self._mean_record(), ConfigRecord(), grid))
-            asked = {m.metadata.dst_node_id: set(m.content[CONFIG][TASKS]) for m in messages}
-            arrays, train_metrics = self.aggregate_train(rnd, grid.send_and_receive(messages, timeout=timeout), asked)
-            result.train_metrics_clientapp[rnd] = train_metrics
-            eps = self.ledger.epsilon() if self.cfg.private else math.inf
-            row = {"round": rnd, "tasks": int(train_metrics["tasks"]), "epsilon": eps}
-            self.history.append(row)
-            self._save(time.time() - t0)  # the new mean is on disk before it is sent anywhere
-            metrics = self.aggregate_evaluate(rnd, grid.send_and_receive(
-                self.configure_evaluate(rnd, arrays, ConfigRecord(), grid), timeout=timeout))
-            row["seconds"] = time.time() - t_round
-            row.update({k: float(metrics[k]) for k in ("excess", "loss", "accuracy")} if metrics else {})
-            log(INFO, "[round %d/%d] personalized: accuracy %.4f, test loss %.4f, excess loss %.4g | "
-                "%d tasks sent | epsilon %.4f (target %s) at delta %.3g | %.1fs", rnd, self.cfg.rounds,
-                row.get("accuracy", math.nan), row.get("loss", math.nan), row.get("excess", math.nan),
-                row["tasks"], eps, self.cfg.target_epsilon, self.cfg.delta, row["seconds"])
-            self._save(time.time() - t0)
-        if self.status == "running":
-            self.status = "completed"
-        result.arrays = self._mean_record()
-        self._save(time.time() - t0)
-        return result
+            self.save(self._mean_record(), "running")  # resumable from round 1 on
+        return self._mean_record(), range(first, self.cfg.rounds + 1)
+
+    def save(self, arrays: ArrayRecord, status: str) -> None:
+        self.status = status
+        self._save(time.time() - self._t0)
+
+    def epsilon_spent(self) -> float:
+        return self.ledger.epsilon() if self.cfg.private else math.inf
+
+    def failure_reasons(self) -> str:
+        return "; ".join(self.dropped[-3:]) or "no reply arrived"
+
+    def round_row(self, server_round: int, train_metrics: MetricRecord | None,
+                  eval_metrics: MetricRecord | None) -> dict:
+        row = self.history[-1]  # appended when the mean was computed (see aggregate_train)
+        row.update({k: float(eval_metrics[k]) for k in ("excess", "loss", "accuracy")} if eval_metrics else {})
+        row["skipped"] = bool(self._asked) and row["tasks"] == 0
+        return row
+
+    def round_line(self, row: dict) -> str:
+        return (f"[round {row['round']}/{self.cfg.rounds}] personalized: accuracy "
+                f"{row.get('accuracy', math.nan):.4f}, test loss {row.get('loss', math.nan):.4f}, excess loss "
+                f"{row.get('excess', math.nan):.4g} | {row['tasks']} tasks sent | epsilon {row['epsilon']:.4f} "
+                f"(target {self.cfg.target_epsilon}) at delta {self.cfg.delta:.3g}")
 
     def _maybe_resume(self) -> int:
         if not (self.checkpoint and self.resume and self.checkpoint.resumable()):

@@ -44,7 +44,6 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
 
 from flwr_jdp.altmin.algorithm import (
     AltMinConfig,
@@ -60,8 +59,10 @@ from flwr_jdp.altmin.statistics import AltMinSums
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
 
+from .accounted import AccountedStrategy
 
-class PrivAltMin(Strategy):
+
+class PrivAltMin(AccountedStrategy):
     """Private alternating minimization of a shared ``d x k`` embedding."""
 
     def __init__(self, spec: ProblemSpec, cfg: AltMinConfig, results_dir: str | Path = "",
@@ -75,6 +76,8 @@ class PrivAltMin(Strategy):
         self.embedding: np.ndarray | None = None
         self.history: list[dict] = []
         self.dropped: list[str] = []
+        self._events: list = []
+        self._t0 = time.time()
 
     # ------------------------------------------------------------- messages
     def _config(self, epoch: int) -> ConfigRecord:
@@ -84,6 +87,9 @@ class PrivAltMin(Strategy):
                         grid: Grid) -> Iterable[Message]:
         """Round 0: ask for the initialisation statistic; round ``r >= 1``: for
         epoch ``r``'s statistics at the broadcast embedding ``arrays``."""
+        if self.cfg.private:  # charged here; the loop saves the ledger before sending
+            self._events = self._events or self.release_events()
+            self._charge(server_round, self._events)
         kind = INIT_ACTION if server_round == 0 else MessageType.TRAIN
         out = []
         for node in grid.get_node_ids():
@@ -180,37 +186,41 @@ class PrivAltMin(Strategy):
             self.cfg.epochs, self.cfg.u_step, self.cfg.target_epsilon, self.cfg.delta,
             self.plan.noise_multiplier, self.plan.zcdp)
 
-    # ------------------------------------------------------------ main loop
-    def start(self, grid: Grid, timeout: float = 3600.0, **_: object) -> Result:  # type: ignore[override]
-        """Initialise, run the epochs, evaluate after each; write results,
-        ledger and the final embedding to ``results-dir``."""
-        t0 = time.time()
+    # ---------------------------------------- the accounted loop's hooks
+    def prepare(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
+                timeout: float) -> tuple[ArrayRecord, range]:
+        """Round 0 is the initialisation, rounds 1..``epochs`` the epochs
+        (``num_rounds``, if given, must equal ``epochs``: the noise plan's horizon).
+        The embedding starts from the private initialisation, so ``initial_arrays``
+        is not used."""
+        if num_rounds is not None and num_rounds != self.cfg.epochs:
+            raise ValueError(f"start(num_rounds={num_rounds}) differs from run-config 'epochs'="
+                             f"{self.cfg.epochs}, the horizon of the noise plan")
+        self._t0 = time.time()
         self.summary()
-        events = self.release_events()
-        result = Result()
-        arrays = ArrayRecord([np.zeros((self.spec.dim, self.spec.rank))])
-        for rnd in range(0, self.cfg.epochs + 1):
-            t_round = time.time()
-            if self.cfg.private:  # charge, save, then release
-                self._charge(rnd, events)
-                self._save(time.time() - t0, status="running")
-            replies = grid.send_and_receive(
-                self.configure_train(rnd, arrays, ConfigRecord(), grid), timeout=timeout)
-            arrays, train_metrics = self.aggregate_train(rnd, replies)
-            result.train_metrics_clientapp[rnd] = train_metrics
-            eval_metrics = self.aggregate_evaluate(rnd, grid.send_and_receive(
-                self.configure_evaluate(rnd, arrays, ConfigRecord(), grid), timeout=timeout))
-            eps = self.ledger.epsilon() if self.cfg.private else math.inf
-            mse = float(eval_metrics["mse"]) if eval_metrics else float("nan")
-            row = {"epoch": rnd, "mse": mse, "epsilon": eps, "users": int(train_metrics["num-users"]),
-                   "seconds": time.time() - t_round}
-            self.history.append(row)
-            log(INFO, "[epoch %d/%d] population excess MSE %.3e over %d users | epsilon %.4f "
-                "(target %s) at delta %.3g | %.1fs", rnd, self.cfg.epochs, mse, row["users"], eps,
-                self.cfg.target_epsilon, self.cfg.delta, row["seconds"])
-        result.arrays = arrays
-        self._save(time.time() - t0, status="completed")
-        return result
+        self._events = self.release_events()
+        return ArrayRecord([np.zeros((self.spec.dim, self.spec.rank))]), range(0, self.cfg.epochs + 1)
+
+    def save(self, arrays: ArrayRecord, status: str) -> None:
+        self._save(time.time() - self._t0, status=status)
+
+    def epsilon_spent(self) -> float:
+        return self.ledger.epsilon() if self.cfg.private else math.inf
+
+    def failure_reasons(self) -> str:
+        return "; ".join(self.dropped[-3:]) or "no reply arrived"
+
+    def round_row(self, server_round: int, train_metrics: MetricRecord | None,
+                  eval_metrics: MetricRecord | None) -> dict:
+        return {"epoch": server_round, "mse": float(eval_metrics["mse"]) if eval_metrics else float("nan"),
+                "epsilon": self.epsilon_spent(),
+                "users": int(train_metrics["num-users"]) if train_metrics else 0,
+                "skipped": not train_metrics or int(train_metrics["valid-nodes"]) == 0}
+
+    def round_line(self, row: dict) -> str:
+        return (f"[epoch {row['epoch']}/{self.cfg.epochs}] population excess MSE {row['mse']:.3e} over "
+                f"{row['users']} users | epsilon {row['epsilon']:.4f} (target {self.cfg.target_epsilon}) "
+                f"at delta {self.cfg.delta:.3g}")
 
     def _charge(self, rnd: int, events: list) -> None:
         """Record round ``rnd``'s releases. Full batch: one ``server`` scope. With

@@ -45,9 +45,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
+from flwr.serverapp.exception import PrivacyBudgetExhausted
 
 from flwr_jdp.privacy.events import dp_sgd
 from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
@@ -65,11 +66,12 @@ from flwr_jdp.subject.protocol import (  # noqa: E402,F401 - the keys, re-export
     silo_key,
 )
 
+from .accounted import AccountedStrategy
 from .checkpoint import Checkpoint
 from .node_query import query_nodes
 
 
-class SubjectLevelFedAvg:
+class SubjectLevelFedAvg(AccountedStrategy):
     """Plan, charge, broadcast, average, evaluate; one run."""
 
     def __init__(self, cfg: SubjectDPConfig, model: torch.nn.Module, evaluate_fn=None,  # noqa: ANN001
@@ -82,6 +84,11 @@ class SubjectLevelFedAvg:
         self.history: list[dict] = []
         self.dropped: list[str] = []
         self.batch_stats: dict[str, list[int]] = {"group_sizes": [], "distinct_subjects": []}
+        self.ledger = PrivacyLedger(delta=cfg.delta, accountant=accountant)
+        self.status = "running"
+        self._events: dict = {}
+        self._reference: dict[str, np.ndarray] = {}
+        self._silos = 0
         self.checkpoint = Checkpoint(Path(cfg.results_dir), dict(run_config or {})) if cfg.results_dir else None
 
     def _drop(self, reply: Message, reason: str) -> None:
@@ -182,55 +189,95 @@ class SubjectLevelFedAvg:
                         self.batch_stats[key].extend(int(v) for v in stats[key].numpy().ravel())
         return models
 
-    def start(self, grid: Grid, timeout: float = 3600.0) -> dict:
-        """Run the whole plan; returns the summary written to ``results.json``."""
+    # ---------------------------------------- the accounted loop's hooks
+    def prepare(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
+                timeout: float) -> tuple[ArrayRecord, range]:
+        """Discover the silos and their per-subject counts, plan z and the rates,
+        resume. ``initial_arrays`` (the model's state dict) replaces the model's
+        initial values; the plan sets the number of rounds, so ``num_rounds``, if
+        given, must equal it."""
         cfg = self.cfg
-        self.counts = self.discover(grid, timeout)
+        if initial_arrays is not None:
+            load_arrays(self.model, {k: v.numpy() for k, v in initial_arrays.items()})
+        self.counts = self.discover(grid, min(timeout, 600.0))
         t0 = time.time()
         self.plan = make_plan(cfg, self.counts, self.accountant)
         log(INFO, "Plan (%s, %s accounting, inclusion %s, sampling %s): z = %.4f, %d rounds, exact epsilon "
             "%.4g, s-fold bound %.4g, claimed %.4g (%.0f s)", cfg.method, cfg.accounting, cfg.inclusion, cfg.sampling,
             self.plan.noise_multiplier, self.plan.rounds, self.plan.epsilon, self.plan.epsilon_sfold,
             self.plan.epsilon_claimed, time.time() - t0)
-        ledger = PrivacyLedger(delta=cfg.delta, accountant=self.accountant, unit=self.plan.unit)
-        events = self.round_events()
-        ledger, first = self._maybe_resume(ledger)
-        status = "running"
+        if num_rounds is not None and num_rounds != self.plan.rounds:
+            raise ValueError(f"start(num_rounds={num_rounds}) differs from the plan's {self.plan.rounds} rounds")
+        self.ledger = PrivacyLedger(delta=cfg.delta, accountant=self.accountant, unit=self.plan.unit)
+        self._events = self.round_events()
+        self.ledger, first = self._maybe_resume(self.ledger)
         if first == 1 and not self.history:
-            self._save(ledger, status)  # a crash in round 1 then resumes with round 1's charge
-        for r in range(first, self.plan.rounds + 1):
-            t = time.time()
-            if events and any(int(e["round"]) >= r for e in ledger.rounds):  # charged before a crash
-                budget = max(cfg.target_epsilon, self.plan.epsilon)
-                if ledger.epsilon(events) > budget * (1 + 1e-9):
-                    log(WARNING, "Budget: re-running round %d after a restart would take epsilon %.4g "
-                        "beyond %.4g; stopping", r, ledger.epsilon(events), budget)
-                    status = "budget-exhausted"
-                    break
-            ledger.record_round(r, events, note=cfg.method)  # charged before release
-            if self.checkpoint is not None and events:  # on disk before anything is released
-                ledger.save(self.checkpoint.ledger_path)
-            reference = model_arrays(self.model)
-            replies = grid.send_and_receive(self._train_messages(r), timeout=timeout)
-            models = self._collect(replies, reference)
-            if models:
-                load_arrays(self.model, {k: np.mean([m[k] for m in models], axis=0) for k in reference})
-            row = {"round": r, "silos": len(models), "epsilon": ledger.epsilon() if events else None,
-                   "seconds": time.time() - t}
-            if self.evaluate_fn is not None and (r % cfg.eval_every == 0 or r == self.plan.rounds):
-                row.update(self.evaluate_fn(self.model))
-            self.history.append(row)
-            log(INFO, "[round %d/%d] accuracy %s | epsilon %s (%s) | z %.4f | %d silos | %.1fs", r,
-                self.plan.rounds, f"{row['accuracy']:.4f}" if "accuracy" in row else "-",
-                f"{row['epsilon']:.4f}" if row["epsilon"] is not None else "claimed "
-                f"{self.plan.epsilon_claimed:g}", self.plan.unit, self.plan.noise_multiplier,
-                len(models), row["seconds"])
-            if r == self.plan.rounds:
-                status = "finished"
-            self._save(ledger, status)
-        if status == "budget-exhausted":
-            self._save(ledger, status)
-        return self.summary(ledger, status)
+            self.save(self._arrays(), "running")  # a crash in round 1 then resumes with round 1's charge
+        return self._arrays(), range(first, self.plan.rounds + 1)
+
+    def _arrays(self) -> ArrayRecord:
+        return ArrayRecord({k: Array(v) for k, v in model_arrays(self.model).items()})
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> list[Message]:
+        """Charge the round (a rerun after a restart too, unless that would exceed
+        the budget: then PrivacyBudgetExhausted), then address every node."""
+        events, cfg = self._events, self.cfg
+        if events and any(int(e["round"]) >= server_round for e in self.ledger.rounds):  # charged before a crash
+            budget = max(cfg.target_epsilon, self.plan.epsilon)
+            if self.ledger.epsilon(events) > budget * (1 + 1e-9):
+                raise PrivacyBudgetExhausted(
+                    f"re-running round {server_round} after a restart would take epsilon "
+                    f"{self.ledger.epsilon(events):.4g} beyond {budget:.4g}")
+        self.ledger.record_round(server_round, events, note=cfg.method)  # charged before release
+        self._reference = model_arrays(self.model)
+        return self._train_messages(server_round)
+
+    def aggregate_train(self, server_round: int, replies) -> tuple[ArrayRecord | None, MetricRecord | None]:  # noqa: ANN001
+        """Average the valid silo models (each a DP release)."""
+        reference = self._reference
+        models = self._collect(replies, reference)
+        if models:
+            load_arrays(self.model, {k: np.mean([m[k] for m in models], axis=0) for k in reference})
+        self._silos = len(models)
+        return (self._arrays() if models else None), MetricRecord({"silos": len(models)})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> list[Message]:
+        return []  # the global model is evaluated on the server (evaluate_fn)
+
+    def aggregate_evaluate(self, server_round: int, replies) -> MetricRecord | None:  # noqa: ANN001
+        return None
+
+    def save(self, arrays: ArrayRecord, status: str) -> None:
+        self.status = status
+        self._save(self.ledger, status)
+
+    def epsilon_spent(self) -> float:
+        return self.ledger.epsilon() if self._events else float("nan")
+
+    def failure_reasons(self) -> str:
+        return "; ".join(self.dropped[-3:]) or "no reply arrived"
+
+    def round_row(self, server_round: int, train_metrics: MetricRecord | None,
+                  eval_metrics: MetricRecord | None) -> dict:
+        row = {"round": server_round, "silos": self._silos,
+               "epsilon": self.ledger.epsilon() if self._events else None, "skipped": self._silos == 0}
+        if self.evaluate_fn is not None and (server_round % self.cfg.eval_every == 0
+                                             or server_round == self.plan.rounds):
+            row.update(self.evaluate_fn(self.model))
+        return row
+
+    def round_line(self, row: dict) -> str:
+        eps = (f"{row['epsilon']:.4f}" if row["epsilon"] is not None
+               else f"claimed {self.plan.epsilon_claimed:g}")
+        acc = f"{row['accuracy']:.4f}" if "accuracy" in row else "-"
+        return (f"[round {row['round']}/{self.plan.rounds}] accuracy {acc} | epsilon {eps} ({self.plan.unit}) | "
+                f"z {self.plan.noise_multiplier:.4f} | {row['silos']} silos")
+
+    def results(self) -> dict:
+        """What ``results.json`` holds (status, plan, ledger epsilon, final accuracy, ...)."""
+        return self.summary(self.ledger, self.status)
 
     def _maybe_resume(self, ledger: PrivacyLedger) -> tuple[PrivacyLedger, int]:
         """(ledger, first round to run): the saved state of an unfinished run with

@@ -33,6 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart-pytorch" / "quickstart" / "task.py"
 
 
+@pytest.fixture(autouse=True)
+def _group_norm_rule_at_every_size(monkeypatch):
+    """The batches here are small: use the fused GroupNorm vmap rule anyway (at the
+    default threshold these batches would take vmap's own rule)."""
+    monkeypatch.setattr(per_sample, "GROUP_NORM_RULE_FROM", 0)
+
+
 def _quickstart_net() -> nn.Module:
     """The quickstart example's own ``Net`` (conv-pool-conv-pool-fc-fc-fc, 1x28x28)."""
     spec = importlib.util.spec_from_file_location("quickstart_task", QUICKSTART)
@@ -183,6 +190,15 @@ def test_a_tied_weight_is_not_factored_and_chunks_change_nothing(monkeypatch):
     chunked = _sums("func", monkeypatch, model2, split2, x2, y2, _users("user", 12), 0.5)
     for a, b in zip(chunked, whole, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_the_fused_group_norm_rule_equals_vmaps_own(monkeypatch):
+    model, split, x, y = _case("seed-cnn")
+    fused = _sums("func", monkeypatch, model, split, x, y, None, 0.1)
+    monkeypatch.setattr(per_sample, "GROUP_NORM_RULE_FROM", 10**9)
+    stock = _sums("func", monkeypatch, model, split, x, y, None, 0.1)
+    for a, b in zip(fused, stock, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
 def test_groupnorm_without_affine_and_a_nan_record(monkeypatch):

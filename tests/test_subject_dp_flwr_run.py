@@ -23,7 +23,7 @@ def test_flwr_run_subject_dp(tmp_path, femnist_dir):
         f"local-steps=1 noise-seed=1 results-dir='{results}'"))
     assert (results / "results.json").is_file(), f"no results written; flwr run said:\n{log[-4000:]}"
     res = json.loads((results / "results.json").read_text())
-    assert res["status"] == "finished"
+    assert res["status"] == "completed"
     assert [h["round"] for h in res["history"]] == [1, 2]
     assert all(h["silos"] == 4 for h in res["history"])
     assert 0 < res["history"][-1]["epsilon"] <= 4.0

@@ -45,8 +45,9 @@ def _strategy(rc, crash_after_round: int | None = None):
 
 def test_restart_between_rounds_continues_with_the_spent_epsilon(tmp_path, femnist_dir) -> None:
     _, _, _, grid_cls, _ = _apps()
-    reference = _strategy(_config(tmp_path / "ref", femnist_dir)).start(
-        grid_cls(_apps()[0], 2, _config(tmp_path / "ref", femnist_dir)))
+    ref_strategy = _strategy(_config(tmp_path / "ref", femnist_dir))
+    ref_strategy.start(grid_cls(_apps()[0], 2, _config(tmp_path / "ref", femnist_dir)))
+    reference = ref_strategy.results()
     rc = _config(tmp_path, femnist_dir)
     with pytest.raises(CrashAfterSave):
         _strategy(rc, crash_after_round=2).start(grid_cls(_apps()[0], 2, rc))
@@ -54,8 +55,9 @@ def test_restart_between_rounds_continues_with_the_spent_epsilon(tmp_path, femni
     assert saved["status"] == "running" and len(saved["history"]) == 2
     spent = saved["epsilon"]
     restarted = _strategy(rc)
-    out = restarted.start(grid_cls(_apps()[0], 2, rc))
-    assert out["status"] == "finished"
+    restarted.start(grid_cls(_apps()[0], 2, rc))
+    out = restarted.results()
+    assert out["status"] == "completed"
     assert [h["round"] for h in restarted.history] == [1, 2, 3]
     assert restarted.history[1]["epsilon"] == pytest.approx(spent)
     # three rounds charged in all: the same epsilon as the run that never crashed
@@ -88,8 +90,9 @@ def test_round_charged_before_a_crash_is_charged_again_when_rerun(tmp_path, femn
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert [r["round"] for r in ledger["rounds"]] == [1, 2, 3]
     restarted = _strategy(rc)
-    out = restarted.start(grid_cls(_apps()[0], 2, rc))
-    assert out["status"] == "finished"
+    restarted.start(grid_cls(_apps()[0], 2, rc))
+    out = restarted.results()
+    assert out["status"] == "completed"
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert [r["round"] for r in ledger["rounds"]] == [1, 2, 3, 3]
     assert out["ledger_epsilon"] > out["plan"]["epsilon"]
@@ -102,7 +105,9 @@ def test_rerun_that_would_exceed_the_target_stops_with_model_and_ledger_saved(tm
     rc = _config(tmp_path, femnist_dir)
     with pytest.raises(CrashAfterSave):
         _strategy(rc).start(_crash_on_train_call(grid_cls(_apps()[0], 2, rc), 3))
-    out = _strategy(rc).start(grid_cls(_apps()[0], 2, rc))
+    rerun = _strategy(rc)
+    rerun.start(grid_cls(_apps()[0], 2, rc))
+    out = rerun.results()
     assert out["status"] == "budget-exhausted"
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
     assert saved["status"] == "budget-exhausted" and saved["epsilon"] <= 4.0 * (1 + 1e-6)
@@ -116,7 +121,9 @@ def test_crash_in_round_one_keeps_its_charge(tmp_path, femnist_dir) -> None:
     rc = _config(tmp_path, femnist_dir, **{"noise-multiplier": 5.0, "target-epsilon": 1000.0})
     with pytest.raises(CrashAfterSave):
         _strategy(rc).start(_crash_on_train_call(grid_cls(_apps()[0], 2, rc), 1))
-    out = _strategy(rc).start(grid_cls(_apps()[0], 2, rc))
-    assert out["status"] == "finished"
+    rerun = _strategy(rc)
+    rerun.start(grid_cls(_apps()[0], 2, rc))
+    out = rerun.results()
+    assert out["status"] == "completed"
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert [r["round"] for r in ledger["rounds"]] == [1, 1, 2, 3]

@@ -147,8 +147,9 @@ def test_run_samples_subjects_at_the_rates_the_ledger_records(tmp_path, femnist_
           "results-dir": str(tmp_path / "run"), "batch-size": 8, "eval-every": 2}
     cfg = parse_subject_config(rc)
     strategy = SubjectLevelFedAvg(cfg, build_leaf_cnn(seed=0), test_evaluator(cfg), rc)
-    out = strategy.start(InProcessGrid(client, 2, rc))
-    assert out["status"] == "finished" and not out["dropped"]
+    strategy.start(InProcessGrid(client, 2, rc))
+    out = strategy.results()
+    assert out["status"] == "completed" and not out["dropped"]
     rates = out["plan"]["sample_rates"]
     assert len(seen) == 4 * cfg.local_steps * 2
     assert {round(r, 12) for r, _ in seen} == {round(r, 12) for r in rates}

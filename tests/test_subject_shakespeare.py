@@ -160,8 +160,9 @@ def test_shakespeare_apps_run_and_account_exactly(tmp_path, shakespeare_dir) -> 
           "results-dir": str(tmp_path / "run"), "batch-size": 32, "learning-rate": 2.0}
     cfg = parse_subject_config(rc)
     strategy = SubjectLevelFedAvg(cfg, build_subject_model(cfg), test_evaluator(cfg), rc)
-    out = strategy.start(InProcessGrid(client, 2, rc))
-    assert out["status"] == "finished" and not out["dropped"]
+    strategy.start(InProcessGrid(client, 2, rc))
+    out = strategy.results()
+    assert out["status"] == "completed" and not out["dropped"]
     assert out["ledger_epsilon"] <= 4.0 * (1 + 1e-6)
     assert out["ledger_epsilon"] == pytest.approx(out["plan"]["epsilon"], rel=1e-6)
     assert 0.0 <= out["acc_final"] <= 1.0

@@ -88,7 +88,8 @@ def run_one(name: str, alpha: float, args: argparse.Namespace, seed: int = 0) ->
         grid = InProcessGrid(client, args.nodes, rc)
         strategy = SubjectLevelFedAvg(cfg, build_subject_model(cfg), test_evaluator(cfg), rc)
         t = time.time()
-        summary = strategy.start(grid)
+        strategy.start(grid)
+        summary = strategy.results()
         seconds = time.time() - t
     plan = summary["plan"]
     row = {"run": name, "method": cfg.method,

@@ -10,6 +10,9 @@ import importlib
 _EXPORTS = {
     "ACCOUNTANTS": "backends",
     "GaussianSumMechanism": "mechanisms",
+    "LaplaceSumMechanism": "mechanisms",
+    "NoisySumMechanism": "mechanisms",
+    "SymmetricGaussianMechanism": "mechanisms",
     "NoisePlacement": "units",
     "PrivacyLedger": "ledger",
     "PrivacyUnit": "units",

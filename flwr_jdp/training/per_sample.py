@@ -5,28 +5,32 @@ vectorised pass computes every record's gradient of the parameters that require
 one (the shared parameters; the personal ones too where the interleaved coupling
 trains them on the same batch), with the frozen parameters and the buffers passed
 as constants. The result is stored where Opacus's hooks store theirs
-(``p.grad_sample``, shape ``(records, *p.shape)``; ``p.grad``, the batch sum, for
-the parameters named ``summed``), so :func:`~flwr_jdp.training.dp_sgd.clipped_unit_sum`
-clips, weights and sums them exactly as it does Opacus's: the two paths differ
-only in how the per-sample gradients are computed, never in what is released or
-recorded. The batch is vectorised in chunks of at most :data:`CHUNK` records,
-which bounds the transform's working memory (activations and backward buffers);
-the per-sample gradients themselves take ``records x parameters`` floats, as
-Opacus's do.
+(``p.grad_sample``; ``p.grad``, the batch sum, for the parameters named
+``summed``), so :func:`~flwr_jdp.training.dp_sgd.clipped_unit_sum` clips, weights
+and sums them exactly as it does Opacus's: the two paths differ only in how the
+per-sample gradients are computed, never in what is released or recorded. The
+batch is vectorised in chunks of at most :data:`CHUNK` records, which bounds the
+transform's working memory (activations, backward buffers, per-sample gradients).
 
-GroupNorm (the models' ``norm="group"``) normalises each record on its own, so it
-is per-sample and ``vmap`` computes it correctly; but ``vmap`` has no batching
-rule for its backward kernel and decomposes it into about ten element-wise ops,
-which made the seed CNN's step ~1.5x slower than a plain step. Inside the
-transform of a model with ``nn.GroupNorm`` layers, ``F.group_norm`` is therefore replaced (a thread-local
-:class:`~torch.overrides.TorchFunctionMode`) by :class:`_GroupNorm`, whose vmap
-rules call the fused forward and backward kernels once on the whole chunk and
-compute the per-record weight and bias gradients from two reductions.
+Two rules make the pass cost about what a plain forward and backward cost, inside
+the transform only (a thread-local :class:`~torch.overrides.TorchFunctionMode`):
+
+- Linear layers applied once to one row per record (a classifier's dense layers)
+  keep their weight's per-sample gradients factored (:class:`OuterProducts`:
+  output gradient and input, ``n x (out + in)`` numbers instead of
+  ``n x out x in``). Their norms and clipped sums are exact and cost one matrix
+  product; materialising them cost more than the plain step on the quickstart CNN.
+- GroupNorm (the models' ``norm="group"``) normalises each record on its own, so
+  it is per-sample; but vmap's rule for its backward decomposes the fused kernel
+  into about ten element-wise passes (the seed CNN's step took ~1.5x a plain
+  step). :class:`_GroupNorm` calls the fused kernels once per chunk instead and
+  reads the per-record weight and bias gradients off the same kernel (from batch
+  size :data:`GROUP_NORM_RULE_FROM`; below it vmap's rule is cheaper).
 
 Models the transform cannot handle (BatchNorm, which mixes the records of a batch;
 data-dependent control flow; in-place updates of buffers; ``.item()`` in
-``forward``) make :class:`FuncPerSample` raise; :mod:`~flwr_jdp.training.dp_sgd`
-then falls back to Opacus's hooks for that model class (one log line).
+``forward``) make the pass raise; :mod:`~flwr_jdp.training.dp_sgd` then falls back
+to Opacus's hooks for that model class (one log line).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ from torch.overrides import TorchFunctionMode
 BACKEND = os.environ.get("FLWR_JDP_PER_SAMPLE", "auto")
 #: Records per vectorised call (bounds the transform's working memory).
 CHUNK = 256
+#: Batch size from which GroupNorm uses :class:`_GroupNorm` (its vmap rules cost a
+#: fixed ~1 ms per layer and step; below this size vmap's own rule is faster).
+GROUP_NORM_RULE_FROM = 32
 
 
 class FuncUnsupported(RuntimeError):
@@ -87,7 +94,7 @@ class FuncPerSample:
         const = {k: p.detach() for k, p in self.params.items() if k not in wrt}
         const.update((k, b.detach()) for k, b in self.model.named_buffers())
         probes = {k: torch.zeros(1, self.params[k].shape[0], dtype=self.params[k].dtype) for k in factored}
-        mode = _Transform(self.group_norm, {id(const[k]): k for k in factored})
+        mode = _Transform(self.group_norm and n >= GROUP_NORM_RULE_FROM, {id(const[k]): k for k in factored})
         model = self.model
 
         def loss_of_one(w: dict[str, torch.Tensor], zero: dict[str, torch.Tensor], xi: torch.Tensor,
