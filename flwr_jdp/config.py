@@ -118,7 +118,7 @@ class JobConfig:
     validation_source: str = "carve"
     model: str = "seed-cnn"
     norm: str = "group"
-    results_dir: str = "results/run"
+    results_dir: str = ""  # "": a new folder per run (run_folder)
     resume: bool = True
     seed: int = 0
     noise_seed: int = -1

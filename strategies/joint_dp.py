@@ -694,6 +694,7 @@ class JointDP(AccountedStrategy):
             "rounds_completed": len(history),
             "rounds_charged": len(self.ledger.rounds),
             "final_accuracy": last.get("accuracy"),
+            "final_accuracy_owners": last.get("evaluated_owners"),  # how many owners that mean covers
             "final_epsilon": self.ledger.epsilon() if self.cfg.dp else 0.0,
             "num_owners": len(self.owner_node),
             "shared_parameters": int(sum(math.prod(s.shape) for s in self.spec.values())),

@@ -60,7 +60,7 @@ from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.params import get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.audit import AuditResult, audit_two_run, max_certifiable_epsilon
-from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
+from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.privacy.owner_guard import Instruction, agreed_release
 from flwr_jdp.privacy.schedule import OwnerSize, build_schedule
 from flwr_jdp.training.owner_round import OwnerPlan, train_owner_round
@@ -406,9 +406,10 @@ def test_dp_mtl_noisy_mean_audit():
     for side, tasks in sides.items():
         grid = _TasksGrid(tasks, model, cfg)
         strategy = DPMeanRegularizedMTL(MTL_TASKS, model.num_params, cfg, noise_seed=21 + side)
-        strategy.ledger.record_round(1, {SERVER_SCOPE: strategy.release.event()}, note="noisy mean")
         strategy.discover(grid, timeout=30.0)
+        # configure_train charges the round's noisy mean, as the accounted loop runs it
         messages = list(strategy.configure_train(1, strategy._mean_record(), ConfigRecord(), grid))
+        assert [r["round"] for r in strategy.ledger.rounds] == [1]
         asked[side] = {m.metadata.dst_node_id: set(m.content[CONFIG][TASKS]) for m in messages}
         replies[side] = list(grid.send_and_receive(messages))
         strategies[side], claims[side] = strategy, strategy.ledger.epsilon()

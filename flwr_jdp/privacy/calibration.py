@@ -61,13 +61,20 @@ def calibrate(
     coarse_grid = PLD_COARSE_DISCRETIZATION * fine_grid / PLD_DISCRETIZATION
 
     def eps_with(backend: str, discretization: float = fine_grid) -> Callable[[float], float]:
-        if backend == "rdp" and relation == "replace-one":
-            backend = "pld"  # RDP has no replace-one bound for sampled events
+        def one(e, z_backend: str) -> float:  # noqa: ANN001
+            try:
+                return epsilon(e, delta, z_backend, relation, discretization)
+            except ValueError:
+                if z_backend == "rdp" and relation == "replace-one":
+                    # RDP has no replace-one bound for sampled events; the ledger
+                    # refuses those too, so this only ranks candidates (bracketing).
+                    return epsilon(e, delta, "pld", relation, discretization)
+                raise
 
         def eps(z: float) -> float:
             out = event_fn(z)
             events = out if isinstance(out, list) else [out]
-            return max(epsilon(e, delta, backend, relation, discretization) for e in events)
+            return max(one(e, backend) for e in events)
         return eps
 
     if accountant != "pld":
