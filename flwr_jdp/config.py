@@ -14,6 +14,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .config_check import ConfigError, coerce, config_key, key_prefix, namespace, parse_dataclass
+from .config_check import need as require
 from .data.datasets import DATASETS
 from .data.partition import VALIDATION_SOURCES
 from .privacy.backends import ACCOUNTANTS, RELATIONS
@@ -49,10 +51,6 @@ def config_digest(config: dict[str, Any]) -> str:
     """Digest of the configuration a checkpoint belongs to."""
     relevant = {k: v for k, v in sorted(config.items()) if k not in IGNORED_KEYS}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class ConfigError(ValueError):
-    """A run-config value outside its allowed range."""
 
 
 @dataclass(frozen=True)
@@ -177,48 +175,16 @@ class JobConfig:
 PARTITIONERS = ("balanced", "pathological")
 
 
-def _key(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _fail(name: str, allowed: str, value: Any) -> ConfigError:
-    return ConfigError(f"run-config key '{_key(name)}' must be {allowed}, got {value!r}")
+_key = config_key
 
 
 def parse_config(run_config: dict[str, Any]) -> JobConfig:
     """Build and validate a :class:`JobConfig` from a Flower run config.
 
     Unknown keys are ignored (other apps may share the run config); every known key
-    is type-checked and range-checked.
+    is type-checked and range-checked (:mod:`flwr_jdp.config_check`).
     """
-    values: dict[str, Any] = {}
-    for f in fields(JobConfig):
-        key = _key(f.name)
-        if key not in run_config:
-            continue
-        raw = run_config[key]
-        default = f.default
-        try:
-            if isinstance(default, bool):
-                if isinstance(raw, str):
-                    if raw.lower() not in ("true", "false"):
-                        raise ValueError
-                    raw = raw.lower() == "true"
-                values[f.name] = bool(raw)
-            elif isinstance(default, int):
-                if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                    raise ValueError
-                values[f.name] = int(raw)
-            elif isinstance(default, float):
-                if isinstance(raw, bool):
-                    raise ValueError
-                values[f.name] = float(raw)
-            else:
-                values[f.name] = str(raw)
-        except (TypeError, ValueError):
-            kind = type(default).__name__
-            raise _fail(f.name, f"of type {kind}", raw) from None
-    cfg = JobConfig(**values)
+    cfg = parse_dataclass(JobConfig, run_config)
     validate(cfg)
     return cfg
 
@@ -226,8 +192,7 @@ def parse_config(run_config: dict[str, Any]) -> JobConfig:
 def validate(cfg: JobConfig) -> None:
     """Range checks; raises :class:`ConfigError` naming the key and allowed range."""
     def need(ok: bool, name: str, allowed: str) -> None:
-        if not ok:
-            raise _fail(name, allowed, getattr(cfg, name))
+        require(ok, config_key(name), allowed, getattr(cfg, name))
 
     def finite(name: str) -> bool:
         return math.isfinite(getattr(cfg, name))
@@ -295,8 +260,10 @@ def validate(cfg: JobConfig) -> None:
     if cfg.method == "joint-dp":
         try:
             re.compile(cfg.personal_layers)
+            compiles = True
         except re.error:
-            raise _fail("personal_layers", "a valid regular expression", cfg.personal_layers) from None
+            compiles = False
+        need(compiles, "personal_layers", "a valid regular expression")
         need(bool(cfg.personal_layers), "personal_layers", "a non-empty regular expression")
     need(cfg.personal_coupling in COUPLINGS, "personal_coupling", f"one of {COUPLINGS}")
     need(cfg.release_personal in RELEASE_PERSONAL, "release_personal", f"one of {RELEASE_PERSONAL}")
@@ -304,11 +271,8 @@ def validate(cfg: JobConfig) -> None:
          "'seeded' unless the release is decoupled (method 'joint-dp', privacy-unit 'record' or "
          "'user', personal-coupling 'decoupled', noise on): only a decoupled release holds the "
          "personal parameters at public values")
-    if cfg.fraction_train < 1 and cfg.privacy_unit != "owner":
-        raise ConfigError(
-            "run-config key 'fraction-train' must be 1.0 unless privacy-unit='owner' "
-            f"(owner sampling amplifies only owner-level privacy), got {cfg.fraction_train!r}"
-        )
+    need(cfg.fraction_train >= 1 or cfg.privacy_unit == "owner", "fraction_train",
+         "1.0 unless privacy-unit='owner' (owner sampling amplifies only owner-level privacy)")
 
 
 def samples(cfg: JobConfig) -> bool:
@@ -322,41 +286,16 @@ def samples(cfg: JobConfig) -> bool:
 
 
 # ------------------------------------------------ other apps' dataclass configs
-def coerce_value(key: str, value: Any, default: Any) -> Any:
-    """``value`` as the type of ``default`` (bool, str, int or float), or a
-    :class:`ConfigError` naming ``key``. Booleans accept ``true``/``false`` strings."""
-    try:
-        if isinstance(default, bool):
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false"):
-                    raise ValueError
-                return value.lower() == "true"
-            return bool(value)
-        if isinstance(default, str):
-            return str(value)
-        if isinstance(default, int):
-            if isinstance(value, bool) or float(value) != int(float(value)):
-                raise ValueError
-            return int(float(value))
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"run-config key '{key}' must be a {type(default).__name__}, got {value!r}") from None
+#: ``value`` as the type of ``default``, or a :class:`ConfigError` naming ``key``
+#: (:func:`flwr_jdp.config_check.coerce`).
+coerce_value = coerce
 
 
 def build_from_run_config(cls: type, keymap: dict[str, str], run_config: dict[str, Any]) -> Any:
     """Instantiate the frozen dataclass ``cls`` from the run-config keys of
-    ``keymap`` (run-config key -> field name; absent keys keep their defaults). A
-    ``ValueError`` from ``cls`` whose message starts with a key becomes a
-    :class:`ConfigError` naming that key."""
-    defaults = {f.name: f.default for f in fields(cls)}
-    kwargs = {name: coerce_value(key, run_config[key], defaults[name])
-              for key, name in keymap.items() if key in run_config}
-    try:
-        return cls(**kwargs)
-    except ValueError as err:
-        msg = str(err)
-        key = next((k for k in sorted(keymap, key=len, reverse=True) if msg.startswith(k)), None)
-        raise ConfigError(f"run-config key '{key}': {msg}" if key else msg) from None
+    ``keymap`` (run-config key -> field name; absent keys keep their defaults;
+    :func:`flwr_jdp.config_check.parse_dataclass`)."""
+    return parse_dataclass(cls, run_config, keymap)
 
 
 #: Table of a user's Flower app config that holds flwr-jdp's keys:
@@ -387,20 +326,12 @@ def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig
     known = {_key(f.name) for f in fields(JobConfig)}
     prefix = f"{NAMESPACE}."
     values = dict(DROPIN_DEFAULTS)
-    for key, value in run_config.items():
-        if key.startswith(prefix):
-            name = key[len(prefix):]
-            if name not in known:
-                raise ConfigError(f"unknown run-config key '{key}'; flwr-jdp's keys are "
-                                  f"{', '.join(prefix + k for k in sorted(known))}")
-            values[name] = value
+    values.update(namespace(run_config, prefix, known))
     for name, value in overrides.items():
         key = _key(name)
         if key not in known:
             raise ConfigError(f"unknown flwr-jdp setting '{name}'; settings are "
                               f"{', '.join(sorted(k.replace('-', '_') for k in known))}")
         values[key] = value
-    try:
+    with key_prefix(prefix):
         return parse_config(values)
-    except ConfigError as err:
-        raise ConfigError(str(err).replace("run-config key '", f"run-config key '{prefix}")) from None

@@ -308,3 +308,27 @@ def test_owner_unit_local_release_is_a_clipped_noised_update():
     delta = np.concatenate([a.ravel() for a in reply.content["arrays"].to_numpy_ndarrays()])
     assert delta.std() > 1.0  # N(0, 3^2) noise on an update clipped to 1
 
+
+
+def test_user_unit_reports_users_and_samples_whole_users():
+    """jdp.privacy-unit = "user": the set-up reports the number of users and every
+    Poisson batch holds all records of each sampled user or none of them."""
+    rc = dict(RC, **{"jdp.privacy-unit": "user", "jdp.records-per-user": 4})
+    users = [i // 4 for i in range(40)]  # 10 users of 4 records
+    app = ClientApp()
+    loader = _loader()
+    jdp = JointDPClient(app, model_fn=Tiny, train_data=lambda ctx: loader, user_ids=lambda ctx: users)
+    ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 1},
+                  state=RecordDict(), run_config=rc)
+    setup, _, train = _setup_and_instruction(app, ctx, 2.0, 0.2, 5)
+    assert list(setup.content[protocol.SETUP][protocol.NUM_USERS]) == [10]
+    batches = []
+
+    def fn(net, loader_):
+        for x, y in loader_:
+            batches.append(len(y))
+        _sgd_train()(net, loader_)
+
+    reply = jdp.train(train, ctx, Tiny(), loader, fn)
+    assert reply.has_content(), reply.error.reason
+    assert all(n % 4 == 0 for n in batches[5:])  # the private batches: whole users only

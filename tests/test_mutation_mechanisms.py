@@ -122,7 +122,8 @@ def test_symmetric_mechanism_noise(secure):
 def test_symmetric_mechanism_needs_a_square_matrix(shape):
     with pytest.raises(ValueError, match=r"^a symmetric release needs a square matrix, got shape \("):
         SymmetricGaussianMechanism(1.0, 1.0).noise_numpy(shape, np.random.default_rng(0))
-    with pytest.raises(NotImplementedError, match="release_numpy"):
+    with pytest.raises(NotImplementedError,
+                       match=r"^SymmetricGaussianMechanism releases numpy matrices \(release_numpy\)$"):
         SymmetricGaussianMechanism(1.0, 1.0).release_torch([torch.zeros(2, 2)], None)
 
 
@@ -135,6 +136,11 @@ def test_wigner_is_symmetric_with_independent_upper_triangle():
     s = m.wigner(300, 2.0, None, secure=True)
     assert np.array_equal(s, s.T) and s[np.triu_indices(300)].std() == pytest.approx(2.0, rel=0.02)
     assert m.wigner(4, 1.0, np.random.default_rng(0)).dtype == np.float64
+    # seeded unless asked to be secure
+    assert np.array_equal(m.wigner(5, 1.0, np.random.default_rng(9)), m.wigner(5, 1.0, np.random.default_rng(9)))
+    mech = SymmetricGaussianMechanism(1.0, 1.0)
+    assert np.array_equal(mech.noise_numpy((5, 5), np.random.default_rng(9)),
+                          m.wigner(5, 1.0, np.random.default_rng(9)))
 
 
 def test_clip_coefficients():
@@ -161,6 +167,8 @@ def test_clip_numpy_and_float64():
     assert np.allclose(clipped[0], [0.6, 0.0], rtol=1e-5) and np.allclose(clipped[1], [0.8], rtol=1e-5)
     unchanged = m.clip_numpy(arrays, 10.0)
     assert all(np.array_equal(a, b) for a, b in zip(unchanged, arrays, strict=True))
+    exact = m.clip_numpy([np.array([3.0, 4.0])], 1.0)
+    assert m.global_norm_numpy(exact) <= 1.0 and exact[0].dtype == np.float64
     wide = m.clip_float64(arrays, 1.0)
     assert [a.dtype for a in wide] == [np.float64, np.float64]
     assert m.global_norm_numpy(wide) <= 1.0
@@ -181,6 +189,8 @@ def test_reclipped_sum():
     assert over == {0: pytest.approx(0.5)}
     assert np.allclose(total[0], [0.06 + 1.0 + 3.0, 0.08 + 4.0], rtol=1e-5)
     assert m.reclipped_sum({}, {}) == ([], {})
+    with pytest.raises(ValueError):  # owners with different numbers of arrays
+        m.reclipped_sum({0: [np.ones(2), np.ones(1)], 1: [np.ones(2)]}, {0: 10.0, 1: 10.0})
     two = m.reclipped_sum({0: [np.ones(2), np.ones(1)]}, {0: 10.0})[0]
     assert len(two) == 2 and np.array_equal(two[1], [1.0])
 
@@ -245,6 +255,7 @@ def test_secure_laplace_zero_cases():
     assert z.shape == (2, 3) and z.dtype == np.float64 and not z.any()
     assert m.secure_laplace(0, 1.0).shape == (0,)
     assert m.secure_laplace(np.int64(2), 1.0).shape == (2,)
+    assert np.all(m.secure_laplace(2, 1.0) != 0.0) and m.secure_laplace(1, 0.5)[0] != 0.0
 
 
 def test_seeds_and_generators():
@@ -257,3 +268,10 @@ def test_seeds_and_generators():
     assert m.torch_generator(None).initial_seed() != m.torch_generator(None).initial_seed()
     assert np.array_equal(m.numpy_rng(5).random(3), np.random.default_rng(5).random(3))
     assert not np.array_equal(m.numpy_rng(None).random(3), m.numpy_rng(None).random(3))
+
+
+def test_secure_uniform_maps_53_bits_to_k_plus_one_over_2_to_53(monkeypatch):
+    monkeypatch.setattr(m.os, "urandom", lambda n: b"\x00" * n)
+    assert np.all(m.secure_uniform(3) == 2.0**-53)
+    monkeypatch.setattr(m.os, "urandom", lambda n: b"\xff" * n)
+    assert np.all(m.secure_uniform(3) == 1.0)

@@ -137,6 +137,26 @@ def test_agreed_release_fields_come_from_the_config_and_the_owners_size():
         agreed_release(parse_config({"noise-placement": "central"}), OwnerSize(10, 10))
 
 
+def test_owner_ledger_save_is_atomic_in_the_target_folder(tmp_path, monkeypatch):
+    import os
+
+    ledger = OwnerLedger.from_json(None, _agreed(fixed_noise=0.0), "record")
+    path = tmp_path / "a" / "b" / "owner.json"
+    moves = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        moves.append((src, dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    ledger.save(path)
+    assert json.loads(path.read_text()) == json.loads(ledger.to_json())
+    (src, dst), = moves
+    assert os.path.dirname(src) == str(path.parent) and os.path.basename(src).startswith(".owner.json-")
+    assert str(dst) == str(path)
+
+
 def test_owner_ledger_checks_records_and_round_trips(tmp_path):
     agreed = _agreed(fixed_noise=0.0, budget=3.0, accountant="rdp", delta=1e-4)
     event = ev.gaussian(2.0)

@@ -2,7 +2,10 @@
 written to kill surviving mutants (docs/mutation.md): Poisson sampling of units,
 the unit index, batch sums, and the released step."""
 
+import math
+
 import numpy as np
+import pytest
 import torch
 
 from flwr_jdp.training import dp_sgd as d
@@ -40,7 +43,6 @@ def test_poisson_sample_rate_and_edges():
 # ------------------------------------------------------------------- user_loop
 import logging  # noqa: E402
 
-import pytest  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -287,3 +289,258 @@ def test_sum_loss_reduction_is_passed_to_opacus():
         assert model.loss_reduction == "sum"
     with _private(_Tiny(), q=1.0, steps=1) as (model, loader, _):
         assert model.loss_reduction == "mean"
+
+
+# --------------------------------------------------------------------- dp_sgd
+def test_poisson_batches_use_their_generator_and_secure_ones_leave_it_alone():
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    torch.manual_seed(1)
+    a = list(ul.PoissonBatches(torch.arange(200), 200, 0.3, 3, gen_a, secure=False))
+    torch.manual_seed(2)  # the global generator is not the one used
+    b = list(ul.PoissonBatches(torch.arange(200), 200, 0.3, 3, gen_b, secure=False))
+    assert a == b
+    gen = torch.Generator().manual_seed(5)
+    state = gen.get_state()
+    list(ul.PoissonBatches(torch.arange(200), 200, 0.3, 3, gen, secure=True))
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_finite_rows_checks_every_parameter_row_by_row():
+    g1 = torch.tensor([[np.nan, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    g2 = torch.tensor([[1.0], [1.0], [np.inf]])
+    assert d.finite_rows([g1, g2]).tolist() == [False, True, False]
+    assert d.finite_rows([g2, torch.ones(3, 2)]).tolist() == [True, True, False]
+
+
+def test_backward_batch_of_an_empty_and_a_one_record_batch():
+    from flwr_jdp.models import SeedCNN
+
+    model = SeedCNN(1, 8, 10)
+    grads = d._OpacusPerSample(model)
+    x, y = torch.randn(3, 1, 8, 8), torch.tensor([1, 2, 3])
+    empty = d.UnitBatch(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0)
+    assert math.isnan(grads.backward(x, y, empty))
+    one = d.UnitBatch(torch.tensor([1]), torch.tensor([0]), 1)
+    loss = grads.backward(x, y, one)
+    want = float(torch.nn.functional.cross_entropy(model(x[1:2]), y[1:2]))
+    assert loss == pytest.approx(want, rel=1e-5)
+    grads.close()
+    assert all(getattr(p, "grad_sample", None) is None and p.grad is None for p in model.parameters())
+
+
+def test_a_torch_func_failure_is_recorded_with_its_first_line(monkeypatch, caplog):
+    monkeypatch.setattr(d, "_FUNC_FAILED", {})
+
+    class Odd(nn.Linear):
+        pass
+
+    grads = d._PerSampleGrads.__new__(d._PerSampleGrads)
+    grads.model = Odd(2, 2)
+    with caplog.at_level(logging.WARNING, logger=d.log.name):
+        grads._record_failure(RuntimeError("  first line\nsecond line  "))
+        grads._record_failure(ValueError("again"))  # once per class
+    assert d._FUNC_FAILED == {Odd: "RuntimeError: first line"}
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == [f"per-sample gradients of {Odd.__module__}.{Odd.__qualname__}: torch.func failed "
+                    "(RuntimeError: first line); using Opacus hooks"]
+    grads.model = nn.Linear(2, 2)
+    grads._record_failure(ValueError("   "))
+    assert d._FUNC_FAILED[nn.Linear] == "ValueError: "
+
+
+def test_personal_grads_fast_path_and_the_finite_rows_path():
+    shared = nn.Parameter(torch.zeros(2))  # no grad_sample attribute at all
+    personal = nn.Parameter(torch.zeros(2))
+    personal.grad = torch.tensor([1.0, 2.0])
+    batch = d.UnitBatch(torch.arange(2), torch.arange(2), 2)
+    assert d._personal_grads([shared], [personal], batch)[0] is personal.grad  # no grad_sample needed
+    personal.grad = torch.tensor([np.nan, 2.0])
+    personal.grad_sample = torch.tensor([[np.nan, 1.0], [3.0, 1.0]])
+    out = d._personal_grads([shared], [personal], batch)
+    assert out[0].tolist() == [3.0, 1.0]  # the non-finite record left out
+    shared.grad_sample = torch.tensor([[1.0, 1.0], [np.inf, 0.0]])
+    personal.grad_sample = torch.tensor([[2.0, 1.0], [3.0, np.nan]])
+    assert d._personal_grads([shared], [personal], batch)[0].tolist() == [2.0, 1.0]
+
+
+def _digits(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 8, 8, generator=g).numpy(), torch.randint(0, 10, (n,), generator=g).numpy()
+
+
+def _model_and_split(seed=0):
+    from flwr_jdp.models import SeedCNN
+    from flwr_jdp.params import split_parameters
+
+    torch.manual_seed(seed)
+    model = SeedCNN(1, 8, 10)
+    return model, split_parameters(model, r"^fc1\.")
+
+
+def _reference_unit_sum(model, split, x, y, clip, users=None):
+    from opacus import GradSampleModule
+
+    gsm = GradSampleModule(model, loss_reduction="sum")
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
+    torch.nn.functional.cross_entropy(gsm(xt), yt, reduction="sum").backward()
+    params = dict(model.named_parameters())
+    shared = [params[n] for n in split.shared]
+    unit, k = d._unit_index(len(y), users)
+    _, inv = torch.unique(unit, return_inverse=True)
+    out = [s.detach().clone() for s in d.clipped_unit_sum(shared, d.UnitBatch(torch.arange(len(y)), inv, k), clip)]
+    for p in gsm.parameters():
+        p.grad_sample = None
+        p.grad = None
+    gsm._close()
+    return out
+
+
+@pytest.mark.parametrize("users", [None, np.array([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7])])
+def test_one_noiseless_step_is_minus_lr_times_the_clipped_sum_over_q_n(users):
+    x, y = _digits()
+    model, split = _model_and_split()
+    want = _reference_unit_sum(model, split, x, y, 0.05, users)
+    params = dict(model.named_parameters())
+    before = {n: params[n].detach().clone() for n in split.shared + split.personal}
+    units = 16 if users is None else 8
+    loss = d.train_dp_sgd(model, split, x, y, user_ids=users, noise_multiplier=0.0, clipping_norm=0.05,
+                          sample_rate=1.0, steps=1, lr=0.7, personal_lr=0.0,
+                          generator=torch.Generator().manual_seed(0))
+    for name, w in zip(split.shared, want, strict=True):
+        assert torch.allclose(params[name].detach(), before[name] - 0.7 * w / units, atol=1e-6)
+    for name in split.personal:
+        assert torch.equal(params[name].detach(), before[name]) and params[name].requires_grad
+    torch.manual_seed(0)
+    ref, _ = _model_and_split()
+    want_loss = float(torch.nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y).long()))
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("personal_lr", [0.3, 1.0])
+def test_interleaved_personal_step_is_the_mean_gradient(personal_lr):
+    x, y = _digits()
+    model, split = _model_and_split()
+    ref, _ = _model_and_split()
+    out = torch.nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y).long())
+    out.backward()
+    rp = dict(ref.named_parameters())
+    params = dict(model.named_parameters())
+    before = {n: params[n].detach().clone() for n in split.personal}
+    d.train_dp_sgd(model, split, x, y, user_ids=None, noise_multiplier=0.0, clipping_norm=0.05,
+                   sample_rate=1.0, steps=1, lr=0.0, personal_lr=personal_lr,
+                   generator=torch.Generator().manual_seed(0))
+    for n in split.personal:
+        assert torch.allclose(params[n].detach(), before[n] - personal_lr * rp[n].grad, atol=1e-6)
+
+
+def test_the_noise_of_a_step_is_z_c_over_q_n_times_lr():
+    x, y = _digits(32)
+    model, split = _model_and_split()
+    params = dict(model.named_parameters())
+    before = torch.cat([params[n].detach().ravel().clone() for n in split.shared])
+    z, clip, q, lr = 3.0, 1e-6, 0.5, 2.0
+    loss = d.train_dp_sgd(model, split, x, y, user_ids=None, noise_multiplier=z, clipping_norm=clip,
+                          sample_rate=q, steps=1, lr=lr, personal_lr=0.0,
+                          generator=torch.Generator().manual_seed(4))
+    moved = torch.cat([params[n].detach().ravel() for n in split.shared]) - before
+    assert float(moved.std()) == pytest.approx(lr * z * clip / (q * 32), rel=0.1)
+    assert math.isfinite(loss)
+
+
+def test_an_empty_sample_is_a_pure_noise_step_and_the_loss_is_nan():
+    x, y = _digits(8)
+    model, split = _model_and_split()
+    params = dict(model.named_parameters())
+    before = torch.cat([params[n].detach().ravel().clone() for n in split.shared])
+    loss = d.train_dp_sgd(model, split, x, y, user_ids=None, noise_multiplier=1.0, clipping_norm=1.0,
+                          sample_rate=1e-12, steps=2, lr=1.0, personal_lr=0.1,
+                          generator=torch.Generator().manual_seed(0))
+    moved = torch.cat([params[n].detach().ravel() for n in split.shared]) - before
+    assert math.isnan(loss) and float(moved.std()) > 0
+    assert math.isnan(d.train_dp_sgd(model, split, x, y, user_ids=None, noise_multiplier=0.0, clipping_norm=1.0,
+                                     sample_rate=0.5, steps=0, lr=1.0, personal_lr=0.0,
+                                     generator=torch.Generator().manual_seed(0)))
+
+
+def test_secure_training_and_sampling_leave_the_generator_alone():
+    x, y = _digits(8)
+    model, split = _model_and_split()
+    gen = torch.Generator().manual_seed(0)
+    state = gen.get_state()
+    d.train_dp_sgd(model, split, x, y, user_ids=None, noise_multiplier=1.0, clipping_norm=1.0,
+                   sample_rate=0.5, steps=2, lr=0.1, personal_lr=0.1, generator=gen, secure_noise=True)
+    d.clipped_gradient_sum(model, split, x, y, user_ids=None, clipping_norm=1.0, sample_rate=0.5,
+                           generator=gen, secure_noise=True)
+    assert torch.equal(gen.get_state(), state)
+
+
+@pytest.mark.parametrize("users", [None, np.array([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7])])
+def test_central_clipped_sum_is_the_unnoised_unit_sum(users):
+    x, y = _digits()
+    model, split = _model_and_split()
+    want = _reference_unit_sum(model, split, x, y, 0.05, users)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    sums, units = d.clipped_gradient_sum(model, split, x, y, user_ids=users, clipping_norm=0.05,
+                                         sample_rate=1.0, generator=torch.Generator().manual_seed(0))
+    assert units == (16 if users is None else 8)
+    assert all(isinstance(s, np.ndarray) for s in sums) and len(sums) == len(split.shared)
+    for s, w in zip(sums, want, strict=True):
+        assert np.allclose(s, w.numpy(), atol=1e-6)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
+    empty, k = d.clipped_gradient_sum(model, split, x, y, user_ids=users, clipping_norm=0.05,
+                                      sample_rate=0.0, generator=torch.Generator().manual_seed(0))
+    assert k == 0 and all(not e.any() for e in empty)
+
+
+def test_the_mean_loss_leaves_out_empty_samples(monkeypatch):
+    x, y = _digits(8)
+    model, split = _model_and_split()
+    ref, _ = _model_and_split()
+    want = float(torch.nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y).long()))
+    draws = iter([d.UnitBatch(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0),
+                  d.UnitBatch(torch.arange(8), torch.arange(8), 8)])
+    monkeypatch.setattr(d, "_draw_batch", lambda *a: next(draws))
+    loss = d.train_dp_sgd(model, split, x, y, user_ids=None, noise_multiplier=0.0, clipping_norm=1.0,
+                          sample_rate=0.5, steps=2, lr=0.0, personal_lr=0.0,
+                          generator=torch.Generator().manual_seed(0))
+    assert loss == pytest.approx(want, rel=1e-5)
+
+
+def test_the_users_loop_draws_noise_from_its_generator():
+    def run(global_seed):
+        torch.manual_seed(0)
+        net = _Tiny()
+        torch.manual_seed(global_seed)
+        with _private(net, q=0.5, steps=2, z=1.0, seed=11) as (model, loader, _):
+            _sgd(model, loader)
+        return torch.cat([p.detach().ravel() for p in net.parameters()])
+
+    assert torch.equal(run(1), run(2))
+
+
+def test_batch_sums_of_an_empty_and_a_one_record_batch():
+    p = nn.Parameter(torch.zeros(3))
+    p.grad_sample = torch.tensor([[3.0, 0.0, 4.0]])
+    one = d.batch_sums([p], d.UnitBatch(torch.tensor([0]), torch.tensor([0]), 1), 1.0)
+    assert torch.allclose(one[0], torch.tensor([0.6, 0.0, 0.8]), atol=1e-6)
+    empty = d.batch_sums([p], d.UnitBatch(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0), 1.0)
+    assert len(empty) == 1 and empty[0].shape == (3,) and not empty[0].any()
+
+
+def test_the_per_sample_backend_is_chosen_as_configured(monkeypatch):
+    from flwr_jdp.training import per_sample
+
+    model = nn.Sequential(nn.Linear(3, 2))
+    monkeypatch.setattr(per_sample, "BACKEND", "opacus")
+    grads = d._PerSampleGrads(model, ())
+    assert grads.name == "opacus"
+    grads.close()
+    monkeypatch.setattr(per_sample, "BACKEND", "auto")
+    grads = d._PerSampleGrads(model, ())
+    assert grads.name != "opacus"
+    grads.close()
+    monkeypatch.setattr(d, "_FUNC_FAILED", {nn.Sequential: "earlier failure"})
+    grads = d._PerSampleGrads(model, ())
+    assert grads.name == "opacus"
+    grads.close()

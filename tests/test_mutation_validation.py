@@ -6,7 +6,6 @@ spec order, weights, metrics)."""
 import math
 
 import numpy as np
-import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr_jdp.strategies import validation as v
 from flwr_jdp.strategies.validation import ArraySpec, spec_of, validate_replies

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .plan import BudgetSplit, NoisePlan, calibrate_plan
+from flwr_jdp.config_check import need
+
+from .plan import EPOCH_WEIGHTS, BudgetSplit, NoisePlan, calibrate_plan
 from .problem import ProblemSpec, Users, subset, true_embedding, user_groups
 from .release import GaussianRelease
 from .solver import (
@@ -31,7 +33,7 @@ from .solver import (
     newton_update,
     subspace_distance,
 )
-from .statistics import AltMinSums, SampleSplit, altmin_statistics, init_statistic, newton_statistics
+from .statistics import SPLITS, AltMinSums, SampleSplit, altmin_statistics, init_statistic, newton_statistics
 
 U_STEPS = ("newton", "statistics")
 
@@ -59,25 +61,24 @@ class AltMinConfig:
     accountant: str = "pld"
 
     def __post_init__(self) -> None:
-        checks = {
-            "epochs": (self.epochs >= 0, ">= 0"),
-            "groups": (self.groups == 1 or self.groups == self.epochs, "1 or equal to epochs"),
-            "zeta": (self.zeta > 0, "> 0"),
-            "clip-init": (self.clip_init >= 0, ">= 0 (0 = (m/2) zeta^2)"),
-            "clip-a": (self.clip_a > 0, "> 0"),
-            "clip-b": (self.clip_b > 0, "> 0"),
-            "clip-g": (self.clip_g > 0, "> 0"),
-            "clip-decay": (0 < self.clip_decay <= 1, "in (0, 1]"),
-            "ridge-factor": (self.ridge_factor >= 0, ">= 0"),
-            "target-epsilon": (self.target_epsilon > 0, "> 0 (inf = non-private)"),
-            "delta": (0 < self.delta < 1, "in (0, 1)"),
-        }
-        for key, (ok, allowed) in checks.items():
-            if not ok:
-                raise ValueError(f"{key} must be {allowed}, got {getattr(self, key.replace('-', '_'))}")
-        SampleSplit(self.sample_split)
-        if self.u_step not in U_STEPS:
-            raise ValueError(f"u-step must be one of {U_STEPS}, got {self.u_step!r}")
+        need(self.epochs >= 0, "epochs", ">= 0", self.epochs)
+        need(self.groups == 1 or self.groups == self.epochs, "groups", f"1 or equal to epochs ({self.epochs})",
+             self.groups)
+        need(self.zeta > 0, "zeta", "> 0", self.zeta)
+        need(self.clip_init >= 0, "clip-init", ">= 0 (0 = (m/2) zeta^2)", self.clip_init)
+        need(self.clip_a > 0, "clip-a", "> 0", self.clip_a)
+        need(self.clip_b > 0, "clip-b", "> 0", self.clip_b)
+        need(self.clip_g > 0, "clip-g", "> 0", self.clip_g)
+        need(0 < self.clip_decay <= 1, "clip-decay", "in (0, 1]", self.clip_decay)
+        need(self.ridge_factor >= 0, "ridge-factor", ">= 0", self.ridge_factor)
+        need(self.target_epsilon > 0, "target-epsilon", "> 0 (inf = non-private)", self.target_epsilon)
+        need(0 < self.delta < 1, "delta", "in (0, 1)", self.delta)
+        need(self.sample_split in SPLITS, "sample-split", f"one of {SPLITS}", self.sample_split)
+        need(self.u_step in U_STEPS, "u-step", f"one of {U_STEPS}", self.u_step)
+        need(self.epochs == 0 or 0 < self.init_share < 1, "init-share", "in (0, 1) (unused with epochs = 0)",
+             self.init_share)
+        need(self.epoch_weights in EPOCH_WEIGHTS, "epoch-weights", f"one of {EPOCH_WEIGHTS}", self.epoch_weights)
+        need(0 < self.a_share < 1, "a-share", "in (0, 1)", self.a_share)
         self.budget_split()
 
     @property

@@ -14,7 +14,7 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from flwr_jdp.config import ConfigError, build_from_run_config
+from flwr_jdp.config_check import coerce, need, parse_dataclass
 
 from .algorithm import AltMinConfig
 from .problem import ProblemSpec
@@ -30,13 +30,10 @@ def _algorithm_keys() -> dict[str, str]:
 
 def parse_altmin_config(run_config: dict[str, Any]) -> tuple[ProblemSpec, AltMinConfig, dict[str, Any]]:
     """``(problem, algorithm config, extras)`` from a Flower run config."""
-    spec = build_from_run_config(ProblemSpec, PROBLEM_KEYS, run_config)
-    cfg = build_from_run_config(AltMinConfig, _algorithm_keys(), run_config)
+    spec = parse_dataclass(ProblemSpec, run_config, PROBLEM_KEYS)
+    cfg = parse_dataclass(AltMinConfig, run_config, _algorithm_keys())
     extras = {k: run_config.get(k, v) for k, v in EXTRA_DEFAULTS.items()}
-    try:
-        extras["noise-seed"] = int(extras["noise-seed"])
-    except (TypeError, ValueError):
-        raise ConfigError(f"run-config key 'noise-seed' must be an int, got {extras['noise-seed']!r}") from None
-    if not math.isfinite(cfg.target_epsilon) and cfg.epochs < 1:
-        raise ConfigError("run-config key 'epochs' must be >= 1 for non-private AltMin")
+    extras["noise-seed"] = coerce("noise-seed", extras["noise-seed"], -1)
+    need(math.isfinite(cfg.target_epsilon) or cfg.epochs >= 1, "epochs",
+         ">= 1 for non-private AltMin (target-epsilon = inf)", cfg.epochs)
     return spec, cfg, extras

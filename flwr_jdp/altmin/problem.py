@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from flwr_jdp.config_check import need
+
 #: Users per generated block (the unit of data placement on SuperNodes).
 BLOCK = 500
 
@@ -31,18 +33,11 @@ class ProblemSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        checks = {
-            "num-users": self.num_users >= 1,
-            "samples-per-user": self.samples_per_user >= 2,
-            "dim": self.dim >= 1,
-            "rank": 1 <= self.rank <= self.dim,
-            "field-noise": self.field_noise >= 0,
-        }
-        allowed = {"num-users": ">= 1", "samples-per-user": ">= 2", "dim": ">= 1",
-                   "rank": "in [1, dim]", "field-noise": ">= 0"}
-        for key, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{key} must be {allowed[key]}, got {getattr(self, key.replace('-', '_'))}")
+        need(self.num_users >= 1, "num-users", ">= 1", self.num_users)
+        need(self.samples_per_user >= 2, "samples-per-user", ">= 2", self.samples_per_user)
+        need(self.dim >= 1, "dim", ">= 1", self.dim)
+        need(1 <= self.rank <= self.dim, "rank", f"in [1, dim] = [1, {self.dim}]", self.rank)
+        need(self.field_noise >= 0, "field-noise", ">= 0", self.field_noise)
 
     @property
     def num_blocks(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flwr_jdp.config_check import need
 from flwr_jdp.privacy.backends import ACCOUNTANTS, RELATIONS
 
 from .local import finetune, local_pgd
@@ -48,28 +49,23 @@ class MTLConfig:
     accountant: str = "pld"
 
     def __post_init__(self) -> None:
-        checks = [
-            ("lambda", self.lam >= 0 and math.isfinite(self.lam), "must be >= 0 and finite"),
-            ("radius", self.radius > 0 and math.isfinite(self.radius), "must be > 0 and finite (the ball radius B)"),
-            ("rounds", self.rounds >= 1, "must be >= 1"),
-            ("local-steps", self.local_steps >= 1, "must be >= 1"),
-            ("lr", self.lr > 0, "must be > 0"),
-            ("finetune-steps", self.finetune_steps >= 0, "must be >= 0"),
-            ("finetune-lr", self.finetune_lr > 0, "must be > 0"),
-            ("target-epsilon", self.target_epsilon > 0, "must be > 0 (inf: no noise)"),
-            ("delta", 0 < self.delta < 1, "must be in (0, 1)"),
-            ("calibration", self.calibration in CALIBRATIONS, f"must be one of {CALIBRATIONS}"),
-            ("fraction-train", 0 < self.fraction_train <= 1, "must be in (0, 1]"),
-            ("neighbouring", self.neighbouring in RELATIONS, f"must be one of {RELATIONS}"),
-            ("accountant", self.accountant in ACCOUNTANTS, f"must be one of {ACCOUNTANTS}"),
-        ]
-        for key, ok, what in checks:
-            if not ok:
-                value = {"lambda": self.lam}.get(key, getattr(self, key.replace("-", "_"), None))
-                raise ValueError(f"{key} {what}, got {value!r}")
-        if self.calibration == "paper" and (self.fraction_train < 1 or self.neighbouring != "replace-one"):
-            raise ValueError("calibration 'paper' is Theorem 2 (every task every round, replace-one): "
-                             "it needs fraction-train = 1 and neighbouring = 'replace-one'")
+        need(self.lam >= 0 and math.isfinite(self.lam), "lambda", ">= 0 and finite", self.lam)
+        need(self.radius > 0 and math.isfinite(self.radius), "radius", "> 0 and finite (the ball radius B)",
+             self.radius)
+        need(self.rounds >= 1, "rounds", ">= 1", self.rounds)
+        need(self.local_steps >= 1, "local-steps", ">= 1", self.local_steps)
+        need(self.lr > 0, "lr", "> 0", self.lr)
+        need(self.finetune_steps >= 0, "finetune-steps", ">= 0", self.finetune_steps)
+        need(self.finetune_lr > 0, "finetune-lr", "> 0", self.finetune_lr)
+        need(self.target_epsilon > 0, "target-epsilon", "> 0 (inf: no noise)", self.target_epsilon)
+        need(0 < self.delta < 1, "delta", "in (0, 1)", self.delta)
+        need(self.calibration in CALIBRATIONS, "calibration", f"one of {CALIBRATIONS}", self.calibration)
+        need(0 < self.fraction_train <= 1, "fraction-train", "in (0, 1]", self.fraction_train)
+        need(self.neighbouring in RELATIONS, "neighbouring", f"one of {RELATIONS}", self.neighbouring)
+        need(self.accountant in ACCOUNTANTS, "accountant", f"one of {ACCOUNTANTS}", self.accountant)
+        need(self.calibration != "paper" or (self.fraction_train >= 1 and self.neighbouring == "replace-one"),
+             "calibration", "'tight' unless fraction-train = 1 and neighbouring = 'replace-one' ('paper' is "
+             "Theorem 2: every task every round, replace-one)", self.calibration)
 
     @property
     def private(self) -> bool:

@@ -15,6 +15,14 @@ naming the key and its allowed range.
   ``finetune-lr``, ``target-epsilon``, ``delta``, ``calibration``,
   ``fraction-train``, ``neighbouring``, ``accountant``).
 - ``results-dir``, ``noise-seed`` (-1: the OS CSPRNG).
+
+A user's own Flower app (:class:`flwr_jdp.mtl.client.MTLClient` and
+:meth:`DPMeanRegularizedMTL.from_run_config <flwr_jdp.strategies.DPMeanRegularizedMTL.from_run_config>`)
+puts the keys in a ``[tool.flwr.app.config.jdp]`` table, which Flower flattens to
+``jdp.<key>``: :func:`namespaced_mtl_config`. There the tasks are the app's own
+(one per node, ``num-tasks = 0``: as many as the nodes' ``num-partitions``) and its
+own train function does the local work, so the keys of the numpy app's tasks and
+steps (``dataset``, ``local-steps``, ``lr``, ``finetune-steps``, ...) are refused.
 """
 
 from __future__ import annotations
@@ -106,4 +114,55 @@ def parse_mtl_config(run_config: dict[str, Any]) -> tuple[TaskSource, MTLConfig,
     return source, cfg, extras
 
 
-__all__ = ["DATASETS", "TaskSource", "parse_mtl_config"]
+#: Keys of the numpy app only: the drop-in app's data, local steps and fine-tuning
+#: are its own (its data loaders and train function).
+NUMPY_APP_ONLY = tuple(k for k in _keys(TaskSource) if k != "num-tasks") + (
+    "local-steps", "lr", "finetune-steps", "finetune-lr")
+#: ``jdp.*`` keys of a drop-in DP-MTL app, with the defaults that differ from the numpy app's.
+DROPIN_EXTRAS: dict[str, Any] = {"num-tasks": 0, "results-dir": "", "noise-seed": -1, "resume": True,
+                                 "max-skipped-rounds": 3}
+NAMESPACE = "jdp"
+
+
+def dropin_keys() -> tuple[str, ...]:
+    """The ``jdp.*`` keys (without the prefix) a drop-in DP-MTL app may set."""
+    return tuple(sorted(set(_keys(MTLConfig)) - set(NUMPY_APP_ONLY) | set(DROPIN_EXTRAS)))
+
+
+def namespaced_mtl_config(run_config: dict[str, Any]) -> tuple[int, MTLConfig, dict[str, Any]]:
+    """``(num_tasks, Algorithm 1 config, extras)`` from the ``jdp.*`` keys of a user's
+    run config (other keys are the app's own and ignored). ``num_tasks`` 0: one task
+    per node, as many as the nodes' ``num-partitions`` (learnt at set-up, before
+    the noise is calibrated). Extras: ``results-dir`` ("": a new folder per run),
+    ``noise-seed``, ``resume``, ``max-skipped-rounds``. An unknown key, a key of
+    the numpy app's tasks, or a bad value fails naming the ``jdp.*`` key."""
+    prefix = f"{NAMESPACE}."
+    known = dropin_keys()
+    values: dict[str, Any] = {}
+    for key, value in run_config.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):]
+        if name in NUMPY_APP_ONLY:
+            raise ConfigError(f"run-config key '{key}' is a key of the numpy DP-MTL app (examples/mtl); "
+                              "with MTLClient the ClientApp's own data loaders and train function define "
+                              "the tasks, their local steps and learning rate")
+        if name not in known:
+            raise ConfigError(f"unknown run-config key '{key}'; the DP-MTL keys are "
+                              f"{', '.join(prefix + k for k in known)}")
+        values[name] = value
+    extras = {k: coerce_value(prefix + k, values.pop(k, v), v) for k, v in DROPIN_EXTRAS.items()}
+    if extras["num-tasks"] != 0 and extras["num-tasks"] < 2:
+        raise ConfigError(f"run-config key 'jdp.num-tasks' must be 0 (one task per node) or >= 2, "
+                          f"got {extras['num-tasks']}")
+    if extras["max-skipped-rounds"] < 1:
+        raise ConfigError(f"run-config key 'jdp.max-skipped-rounds' must be >= 1, got {extras['max-skipped-rounds']}")
+    try:
+        cfg = build_from_run_config(MTLConfig, _keys(MTLConfig), values)
+    except ConfigError as err:
+        raise ConfigError(str(err).replace("run-config key '", f"run-config key '{prefix}")) from None
+    return int(extras.pop("num-tasks")), cfg, extras
+
+
+__all__ = ["DATASETS", "DROPIN_EXTRAS", "TaskSource", "dropin_keys", "namespaced_mtl_config",
+           "parse_mtl_config"]

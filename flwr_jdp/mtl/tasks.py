@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flwr_jdp.config_check import need
+
 from .models import LinearModel
 
 
@@ -55,15 +57,14 @@ class SyntheticSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        checks = {"num-tasks": self.num_tasks >= 2, "samples-per-task": self.samples_per_task >= 1,
-                  "dim": self.dim >= 1, "mean-norm": self.mean_norm >= 0, "spread": self.spread >= 0,
-                  "noise": self.noise >= 0, "test-samples": self.test_samples >= 1}
-        for key, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{key} is out of range (num-tasks >= 2, samples/dim/test >= 1, "
-                                 f"norms and noise >= 0)")
-        if self.kind not in ("squared", "logistic"):
-            raise ValueError(f"kind must be 'squared' or 'logistic', got {self.kind!r}")
+        need(self.num_tasks >= 2, "num-tasks", ">= 2", self.num_tasks)
+        need(self.samples_per_task >= 1, "samples-per-task", ">= 1", self.samples_per_task)
+        need(self.dim >= 1, "dim", ">= 1", self.dim)
+        need(self.mean_norm >= 0, "mean-norm", ">= 0", self.mean_norm)
+        need(self.spread >= 0, "spread", ">= 0", self.spread)
+        need(self.noise >= 0, "noise", ">= 0", self.noise)
+        need(self.test_samples >= 1, "test-samples", ">= 1", self.test_samples)
+        need(self.kind in ("squared", "logistic"), "kind", "'squared' or 'logistic'", self.kind)
 
     def model(self) -> LinearModel:
         return LinearModel(self.kind, self.dim)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import build_from_run_config
+from ..config_check import need, parse_dataclass
 from ..privacy.horizontal import ACCOUNTING
 from ..training.subject_level import METHODS, SAMPLING
 
@@ -51,45 +51,47 @@ class SubjectDPConfig:
     report_batch_stats: bool = False
 
     def __post_init__(self) -> None:
-        def need(ok: bool, key: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{key} must be {allowed}")
-        need(self.method in METHODS, "method", f"one of {METHODS}, got {self.method!r}")
-        need(self.accounting in ACCOUNTING, "accounting", f"one of {ACCOUNTING}, got {self.accounting!r}")
-        need(self.inclusion in INCLUSION, "inclusion", f"one of {INCLUSION}, got {self.inclusion!r}")
-        need(self.sampling in SAMPLING, "sampling", f"one of {SAMPLING}, got {self.sampling!r}")
+        need(self.method in METHODS, "method", f"one of {METHODS}", self.method)
+        need(self.accounting in ACCOUNTING, "accounting", f"one of {ACCOUNTING}", self.accounting)
+        need(self.inclusion in INCLUSION, "inclusion", f"one of {INCLUSION}", self.inclusion)
+        need(self.sampling in SAMPLING, "sampling", f"one of {SAMPLING}", self.sampling)
         need(self.sampling == "records" or self.method == "higradavg-dp", "sampling",
-             f"'records' for method {self.method!r} ('subjects' is for higradavg-dp)")
+             f"'records' for method {self.method!r} ('subjects' is for higradavg-dp)", self.sampling)
         need(self.sampling == "records" or self.inclusion == "subject", "inclusion",
-             "'subject' with sampling = subjects")
-        need(0 <= self.records_per_subject <= 100_000, "records-per-subject", "in [0, 100000] (0 = all)")
-        need(math.isfinite(self.target_epsilon) and self.target_epsilon > 0, "target-epsilon", "> 0")
-        need(0 < self.delta < 1, "delta", "in (0, 1)")
-        need(self.budget_rounds >= 1, "budget-rounds", ">= 1")
-        need(self.batch_size >= 1, "batch-size", ">= 1")
-        need(self.local_steps >= 1, "local-steps", ">= 1")
-        need(math.isfinite(self.learning_rate) and self.learning_rate > 0, "learning-rate", "> 0")
-        need(math.isfinite(self.clipping_norm) and self.clipping_norm > 0, "clipping-norm", "> 0")
+             "'subject' with sampling = subjects", self.inclusion)
+        need(0 <= self.records_per_subject <= 100_000, "records-per-subject", "in [0, 100000] (0 = all)",
+             self.records_per_subject)
+        need(math.isfinite(self.target_epsilon) and self.target_epsilon > 0, "target-epsilon", "> 0 and finite",
+             self.target_epsilon)
+        need(0 < self.delta < 1, "delta", "in (0, 1)", self.delta)
+        need(self.budget_rounds >= 1, "budget-rounds", ">= 1", self.budget_rounds)
+        need(self.batch_size >= 1, "batch-size", ">= 1", self.batch_size)
+        need(self.local_steps >= 1, "local-steps", ">= 1", self.local_steps)
+        need(math.isfinite(self.learning_rate) and self.learning_rate > 0, "learning-rate", "> 0 and finite",
+             self.learning_rate)
+        need(math.isfinite(self.clipping_norm) and self.clipping_norm > 0, "clipping-norm", "> 0 and finite",
+             self.clipping_norm)
         need(math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0, "noise-multiplier",
-             ">= 0 (0: calibrate to target-epsilon)")
-        need(self.dataset in DATASETS, "dataset", f"one of {DATASETS}, got {self.dataset!r}")
-        need(1 <= self.seq_len <= 1000, "seq-len", "in [1, 1000]")
-        need(1 <= self.num_silos <= 1024, "num-silos", "in [1, 1024]")
-        need(math.isfinite(self.alpha) and self.alpha >= 1, "alpha", ">= 1 (1: uniform)")
-        need(0 <= self.validation_fraction < 1, "validation-fraction", "in [0, 1)")
-        need(self.eval_every >= 1, "eval-every", ">= 1")
-        need(self.evaluate_on in ("test", "validation"), "evaluate-on", f"'test' or 'validation', got "
-             f"{self.evaluate_on!r}")
+             ">= 0 (0 = calibrate to target-epsilon)", self.noise_multiplier)
+        need(self.dataset in DATASETS, "dataset", f"one of {DATASETS}", self.dataset)
+        need(1 <= self.seq_len <= 1000, "seq-len", "in [1, 1000]", self.seq_len)
+        need(1 <= self.num_silos <= 1024, "num-silos", "in [1, 1024]", self.num_silos)
+        need(math.isfinite(self.alpha) and self.alpha >= 1, "alpha", ">= 1 (1: uniform)", self.alpha)
+        need(0 <= self.validation_fraction < 1, "validation-fraction", "in [0, 1)", self.validation_fraction)
+        need(self.eval_every >= 1, "eval-every", ">= 1", self.eval_every)
+        need(self.evaluate_on in ("test", "validation"), "evaluate-on", "'test' or 'validation'",
+             self.evaluate_on)
         need(self.evaluate_on == "test" or self.validation_fraction > 0, "validation-fraction",
-             "> 0 with evaluate-on = validation")
-        need(0 <= self.group_size <= 100_000, "group-size", "in [0, 100000] (0 = the paper's per-batch Z)")
+             "> 0 with evaluate-on = validation", self.validation_fraction)
+        need(0 <= self.group_size <= 100_000, "group-size", "in [0, 100000] (0 = the paper's per-batch Z)",
+             self.group_size)
         need(self.group_size == 0 or self.method == "local-group-dp", "group-size",
-             f"0 for method {self.method!r} (a fixed group size is for local-group-dp)")
+             f"0 for method {self.method!r} (a fixed group size is for local-group-dp)", self.group_size)
         need(not (self.method == "local-group-dp" and not self.group_size and self.accounting == "exact"),
              "accounting", "sqrt-rounds or scaled-steps for local-group-dp with group-size = 0 (its "
-             "data-dependent noise has no exact account; set group-size > 0 to account it)")
+             "data-dependent noise has no exact account; set group-size > 0 to account it)", self.accounting)
         need(not (self.inclusion == "record" and self.accounting == "exact"), "inclusion",
-             "'subject' with accounting = exact")
+             "'subject' with accounting = exact", self.inclusion)
 
     @property
     def private(self) -> bool:
@@ -102,4 +104,4 @@ KEYMAP = {f.replace("_", "-"): f for f in SubjectDPConfig.__dataclass_fields__}
 def parse_subject_config(run_config: dict) -> SubjectDPConfig:
     """Build the config from a run config; unknown keys are ignored (they belong
     to other apps), bad values raise :class:`ConfigError` naming the key."""
-    return build_from_run_config(SubjectDPConfig, KEYMAP, run_config)
+    return parse_dataclass(SubjectDPConfig, run_config, KEYMAP)

@@ -1,0 +1,159 @@
+"""The one run-config check every system uses: typed parsing and range checks.
+
+Each system's configuration (joint DP's :class:`~flwr_jdp.config.JobConfig`,
+DP-MTL's, subject-level DP's, Priv-AltMin's) is a frozen dataclass whose field
+``x_y`` is the Flower run-config key ``x-y``. :func:`parse_dataclass` reads one from
+a run config (values coerced to each field's type, unknown keys ignored, an optional
+namespace prefix such as ``jdp.``), and :func:`need` is the one range check, so a
+bad value fails at start-up naming the key and its allowed range in the same words
+everywhere::
+
+    run-config key 'delta' must be in (0, 1), got 1.0
+
+This module imports nothing of the project, so any module may use it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import MISSING, fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A run-config value outside its allowed range (a ``ValueError``)."""
+
+
+def config_key(name: str) -> str:
+    """The run-config key of dataclass field ``name`` (``target_epsilon`` -> ``target-epsilon``)."""
+    return name.replace("_", "-")
+
+
+def need(ok: bool, key: str, allowed: str, value: Any) -> None:
+    """Unless ``ok``: :class:`ConfigError`
+    ``run-config key '<key>' must be <allowed>, got <value!r>``."""
+    if not ok:
+        raise ConfigError(_message(key, allowed, value))
+
+
+def _message(key: str, allowed: str, value: Any) -> str:
+    return f"run-config key '{key}' must be {allowed}, got {value!r}"
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    number = float(value)
+    if not number.is_integer():
+        raise ValueError
+    return int(number)
+
+
+def coerce(key: str, value: Any, default: Any) -> Any:
+    """``value`` as the type of ``default`` (bool, int, float or str), or a
+    :class:`ConfigError` naming ``key``. Booleans accept ``true``/``false`` strings;
+    ints accept integral floats and numeric strings, not booleans; floats refuse
+    booleans."""
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false"):
+                    raise ValueError
+                return value.lower() == "true"
+            return bool(value)
+        if isinstance(default, int):
+            return _integer(value)
+        if isinstance(default, float):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if isinstance(default, str):
+            return str(value)
+        return value
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(_message(key, f"of type {type(default).__name__}", value)) from None
+
+
+def _keymap(cls: type, keys: Mapping[str, str] | None) -> dict[str, str]:
+    return dict(keys) if keys is not None else {config_key(f.name): f.name for f in fields(cls)}
+
+
+def read_fields(cls: type, run_config: Mapping[str, Any], keys: Mapping[str, str] | None = None,
+                prefix: str = "") -> dict[str, Any]:
+    """The values of dataclass ``cls``'s fields that ``run_config`` sets, each coerced
+    to the type of the field's default. ``keys``: run-config key -> field name
+    (default: every field, key :func:`config_key`); each is looked up as
+    ``prefix + key``. Keys not in ``keys`` are ignored (other apps share the run config)."""
+    defaults = {f.name: f.default for f in fields(cls)}
+    out: dict[str, Any] = {}
+    for key, name in _keymap(cls, keys).items():
+        if prefix + key in run_config:
+            raw = run_config[prefix + key]
+            default = defaults[name]
+            out[name] = raw if default is MISSING else coerce(prefix + key, raw, default)
+    return out
+
+
+def parse_dataclass(cls: type[T], run_config: Mapping[str, Any], keys: Mapping[str, str] | None = None,
+                    prefix: str = "") -> T:
+    """Dataclass ``cls`` from ``run_config`` (:func:`read_fields`; absent keys keep
+    their defaults); its own checks (:func:`need` in ``__post_init__``) run on
+    construction. Every error is a :class:`ConfigError` naming ``prefix + key``: a
+    plain ``ValueError`` from ``cls`` whose message starts with a key is reworded to
+    name that key."""
+    keymap = _keymap(cls, keys)
+    values = read_fields(cls, run_config, keymap, prefix)
+    with key_prefix(prefix):
+        try:
+            return cls(**values)
+        except ConfigError:
+            raise
+        except ValueError as err:
+            msg = str(err)
+            key = next((k for k in sorted(keymap, key=len, reverse=True) if msg.startswith(k)), None)
+            raise ConfigError(f"run-config key '{key}': {msg}" if key else msg) from None
+
+
+@contextmanager
+def key_prefix(prefix: str) -> Iterator[None]:
+    """Inside: a :class:`ConfigError` naming ``run-config key 'x'`` is re-raised
+    naming ``run-config key '<prefix>x'`` (a namespaced app's keys)."""
+    try:
+        yield
+    except ConfigError as err:
+        if not prefix:
+            raise
+        pattern = "run-config key '(?!" + re.escape(prefix) + ")"
+        raise ConfigError(re.sub(pattern, f"run-config key '{prefix}", str(err))) from None
+
+
+def namespace(run_config: Mapping[str, Any], prefix: str, known: Iterable[str],
+              what: str = "flwr-jdp's keys") -> dict[str, Any]:
+    """The ``prefix``-ed keys of ``run_config`` (``jdp.target-epsilon``), without the
+    prefix; other keys (the app's own) are ignored. A ``prefix``-ed key not in
+    ``known`` fails naming it and listing the known ones (``what`` are ...)."""
+    allowed = sorted(known)
+    values: dict[str, Any] = {}
+    for key, value in run_config.items():
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            if name not in allowed:
+                raise ConfigError(f"unknown run-config key '{key}'; {what} are "
+                                  f"{', '.join(prefix + k for k in allowed)}")
+            values[name] = value
+    return values
+
+
+__all__ = ["ConfigError", "coerce", "config_key", "key_prefix", "namespace", "need", "parse_dataclass",
+           "read_fields"]
