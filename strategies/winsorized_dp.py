@@ -42,8 +42,10 @@ from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
 from flwr_jdp.privacy.winsorized import WinsorizedMean
 
+from .accounted import AccountedStrategy
 
-class DifferentialPrivacyWinsorizedMean(Strategy):
+
+class DifferentialPrivacyWinsorizedMean(AccountedStrategy):
     """Wrap ``strategy``: its train aggregate becomes the current model plus the
     winsorized private mean of the clients' updates."""
 
@@ -64,6 +66,9 @@ class DifferentialPrivacyWinsorizedMean(Strategy):
         self.rng = numpy_rng(None if noise_seed < 0 else noise_seed)
         self.current_arrays = ArrayRecord()
         self.dropped: list[str] = []
+        self.history: list[dict] = []
+        self.status = "running"
+        self._valid = 0
 
     def __repr__(self) -> str:
         return "Differential Privacy Strategy Wrapper (Winsorized User-Level Mean)"
@@ -128,6 +133,7 @@ class DifferentialPrivacyWinsorizedMean(Strategy):
             if u is not None:
                 valid.append(reply)
                 updates.append(u)
+        self._valid = len(updates)
         if len(updates) != self.num_sampled_clients:
             log(WARNING, "Round %d: %d valid updates, %d expected (n is public): round skipped",
                 server_round, len(updates), self.num_sampled_clients)
@@ -144,6 +150,41 @@ class DifferentialPrivacyWinsorizedMean(Strategy):
         log(INFO, "aggregate_train: winsorized private mean of %d updates (tau %.4g)",
             len(updates), self.estimator.tau)  # nothing data-dependent but the DP mean
         return ArrayRecord(out), metrics
+
+    # ---------------------------------------- the accounted loop's hooks
+    def prepare(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
+                timeout: float) -> tuple[ArrayRecord, range]:
+        """``initial_arrays`` is the initial model (required, as in Flower);
+        ``num_rounds`` (default 3) the rounds to run, each charged before it runs."""
+        if initial_arrays is None:
+            raise ValueError("start(initial_arrays=...) is required: the initial model")
+        self.summary()
+        return initial_arrays, range(1, int(num_rounds or 3) + 1)
+
+    def save(self, arrays: ArrayRecord, status: str) -> None:
+        self.status = status
+        if self.ledger is not None and self.ledger_path is not None:
+            self.ledger.save(self.ledger_path)
+
+    def epsilon_spent(self) -> float:
+        return self.ledger.epsilon() if self.ledger is not None else float("nan")
+
+    def failure_reasons(self) -> str:
+        return "; ".join(self.dropped[-3:]) or f"fewer than {self.num_sampled_clients} valid updates"
+
+    def round_row(self, server_round: int, train_metrics: MetricRecord | None,
+                  eval_metrics: MetricRecord | None) -> dict:
+        row = {"round": server_round, "valid_updates": self._valid, "epsilon": self.epsilon_spent(),
+               "skipped": self._valid != self.num_sampled_clients}
+        if eval_metrics is not None:
+            row["evaluate"] = {k: float(v) for k, v in eval_metrics.items() if isinstance(v, int | float)}
+        return row
+
+    def round_line(self, row: dict) -> str:
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in row.get("evaluate", {}).items())
+        return (f"[round {row['round']}] winsorized mean of {row['valid_updates']} updates"
+                f"{' (skipped)' if row['skipped'] else ''} | {shown or 'no evaluation'} | "
+                f"epsilon {row['epsilon']:.4f}")
 
     # ---------------------------------------------------------- evaluate
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

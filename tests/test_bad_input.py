@@ -25,7 +25,7 @@ from .helpers import run_inprocess
         ("privacy-unit", "subject", "'privacy-unit' must be one of"),
         ("noise-placement", "nowhere", "'noise-placement' must be one of"),
         ("accountant", "moments", "'accountant' must be one of"),
-        ("num-owners", 0, "'num-owners' must be >= 1"),
+        ("num-owners", -1, "'num-owners' must be >= 0"),
         ("batch-size", "many", "'batch-size' must be of type int"),
         ("personal-layers", "(", "'personal-layers' must be a valid regular expression"),
         ("fraction-train", 0.5, "'fraction-train' must be 1.0 unless privacy-unit='owner'"),

@@ -325,7 +325,7 @@ def test_user_unit_reports_users_and_samples_whole_users():
     batches = []
 
     def fn(net, loader_):
-        for x, y in loader_:
+        for _x, y in loader_:
             batches.append(len(y))
         _sgd_train()(net, loader_)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from flwr_jdp.config import ConfigError, build_from_run_config, coerce_value
+from flwr_jdp.config_check import ConfigError, coerce, namespace, need, parse_dataclass
 
 from .algorithm import MTLConfig
 from .models import LinearModel
@@ -60,16 +60,11 @@ class TaskSource:
     data_seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dataset not in DATASETS:
-            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
-        if self.num_tasks < 2:
-            raise ValueError(f"num-tasks must be >= 2, got {self.num_tasks}")
-        if not 0 <= self.validation_fraction < 1:
-            raise ValueError(f"validation-fraction must be in [0, 1), got {self.validation_fraction}")
-        if self.pool < 1:
-            raise ValueError(f"pool must be >= 1, got {self.pool}")
-        if not 1 <= self.classes_per_owner:
-            raise ValueError(f"classes-per-owner must be >= 1, got {self.classes_per_owner}")
+        need(self.dataset in DATASETS, "dataset", f"one of {DATASETS}", self.dataset)
+        need(self.num_tasks >= 2, "num-tasks", ">= 2", self.num_tasks)
+        need(0 <= self.validation_fraction < 1, "validation-fraction", "in [0, 1)", self.validation_fraction)
+        need(self.pool >= 1, "pool", ">= 1", self.pool)
+        need(self.classes_per_owner >= 1, "classes-per-owner", ">= 1", self.classes_per_owner)
 
     def synthetic_spec(self) -> SyntheticSpec:
         return SyntheticSpec(self.num_tasks, self.samples_per_task, self.dim, self.kind,
@@ -101,15 +96,12 @@ def _keys(cls) -> dict[str, str]:  # noqa: ANN001
 
 def parse_mtl_config(run_config: dict[str, Any]) -> tuple[TaskSource, MTLConfig, dict[str, Any]]:
     """``(task source, Algorithm 1 config, extras)`` from a Flower run config."""
-    source = build_from_run_config(TaskSource, _keys(TaskSource), run_config)
+    source = parse_dataclass(TaskSource, run_config, _keys(TaskSource))
     if source.dataset == "synthetic":
-        try:
-            source.synthetic_spec()
-        except ValueError as err:
-            raise ConfigError(f"run-config key {err}") from None
-    cfg = build_from_run_config(MTLConfig, _keys(MTLConfig), run_config)
+        source.synthetic_spec()  # its checks name the synthetic keys
+    cfg = parse_dataclass(MTLConfig, run_config, _keys(MTLConfig))
     extras = {k: run_config.get(k, v) for k, v in EXTRA_DEFAULTS.items()}
-    extras["noise-seed"] = coerce_value("noise-seed", extras["noise-seed"], -1)
+    extras["noise-seed"] = coerce("noise-seed", extras["noise-seed"], -1)
     extras["results-dir"] = str(extras["results-dir"])
     return source, cfg, extras
 
@@ -137,30 +129,17 @@ def namespaced_mtl_config(run_config: dict[str, Any]) -> tuple[int, MTLConfig, d
     ``noise-seed``, ``resume``, ``max-skipped-rounds``. An unknown key, a key of
     the numpy app's tasks, or a bad value fails naming the ``jdp.*`` key."""
     prefix = f"{NAMESPACE}."
-    known = dropin_keys()
-    values: dict[str, Any] = {}
-    for key, value in run_config.items():
-        if not key.startswith(prefix):
-            continue
-        name = key[len(prefix):]
-        if name in NUMPY_APP_ONLY:
+    for key in run_config:
+        if key.startswith(prefix) and key[len(prefix):] in NUMPY_APP_ONLY:
             raise ConfigError(f"run-config key '{key}' is a key of the numpy DP-MTL app (examples/mtl); "
                               "with MTLClient the ClientApp's own data loaders and train function define "
                               "the tasks, their local steps and learning rate")
-        if name not in known:
-            raise ConfigError(f"unknown run-config key '{key}'; the DP-MTL keys are "
-                              f"{', '.join(prefix + k for k in known)}")
-        values[name] = value
-    extras = {k: coerce_value(prefix + k, values.pop(k, v), v) for k, v in DROPIN_EXTRAS.items()}
-    if extras["num-tasks"] != 0 and extras["num-tasks"] < 2:
-        raise ConfigError(f"run-config key 'jdp.num-tasks' must be 0 (one task per node) or >= 2, "
-                          f"got {extras['num-tasks']}")
-    if extras["max-skipped-rounds"] < 1:
-        raise ConfigError(f"run-config key 'jdp.max-skipped-rounds' must be >= 1, got {extras['max-skipped-rounds']}")
-    try:
-        cfg = build_from_run_config(MTLConfig, _keys(MTLConfig), values)
-    except ConfigError as err:
-        raise ConfigError(str(err).replace("run-config key '", f"run-config key '{prefix}")) from None
+    values = namespace(run_config, prefix, dropin_keys(), "the DP-MTL keys")
+    extras = {k: coerce(prefix + k, values.get(k, v), v) for k, v in DROPIN_EXTRAS.items()}
+    need(extras["num-tasks"] == 0 or extras["num-tasks"] >= 2, f"{prefix}num-tasks",
+         "0 (one task per node) or >= 2", extras["num-tasks"])
+    need(extras["max-skipped-rounds"] >= 1, f"{prefix}max-skipped-rounds", ">= 1", extras["max-skipped-rounds"])
+    cfg = parse_dataclass(MTLConfig, run_config, _keys(MTLConfig), prefix)
     return int(extras.pop("num-tasks")), cfg, extras
 
 
