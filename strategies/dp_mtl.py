@@ -95,7 +95,12 @@ BALL_SLACK = 1e-6
 
 
 class DPMeanRegularizedMTL(AccountedStrategy):
-    """Algorithm 1: broadcast ``w~``, tasks take projected steps, release a noisy mean."""
+    """Algorithm 1: broadcast ``w~``, tasks take projected steps, release a noisy mean.
+
+    The numpy app builds it as ``DPMeanRegularizedMTL(num_tasks, num_params, cfg, ...)``;
+    a user's torch app as ``DPMeanRegularizedMTL.from_run_config(context.run_config)``
+    and ``start(grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=...,
+    train_config=..., evaluate_config=..., evaluate_fn=...)`` (see the module docstring)."""
 
     def __init__(self, num_tasks: int, num_params: int | None, cfg: MTLConfig, results_dir: str | Path = "",
                  noise_seed: int = -1, run_config: dict | None = None, resume: bool = True,
@@ -329,6 +334,10 @@ class DPMeanRegularizedMTL(AccountedStrategy):
                            + (f": {reply.error.reason}" if reply.has_error() else ""))
                 continue
             rec = reply.content[METRICS]
+            if self.layout is not None and NUM_EXAMPLES not in rec:
+                self._drop(reply, f"evaluation metrics without '{NUM_EXAMPLES}' (the weight of the task's "
+                           "metrics): add it to the evaluate reply's MetricRecord")
+                continue
             if NUM_EXAMPLES in rec:
                 n = rec[NUM_EXAMPLES]
                 if not isinstance(n, int | float) or not n >= 0:

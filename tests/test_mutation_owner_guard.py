@@ -176,13 +176,18 @@ def test_owner_ledger_checks_records_and_round_trips(tmp_path):
     assert again.releases == 1 and again.epsilon() == pytest.approx(one)
     big = ev.gaussian(0.05)
     reason = again.check(big)
-    assert reason is not None and "> the owner's budget 3 (1 rounds released)" in reason
+    would = again.ledger.epsilon({SELF_SCOPE: big})
+    assert reason == f"releasing would spend epsilon {would:.4f} > the owner's budget 3 (1 rounds released)"
+    fresh = OwnerLedger.from_json(None, agreed, "record")
+    fresh.record(5, ev.gaussian(50.0))
+    assert fresh.ledger.rounds[-1]["note"] == ""
     path = tmp_path / "sub" / "ledger.json"
     again.save(path)
     assert json.loads(path.read_text()) == json.loads(text)
     assert [p.name for p in path.parent.iterdir()] == ["ledger.json"]  # no temporary left
     again.save(path)  # overwrites
     assert OwnerLedger.from_json(path.read_text(), agreed, "record").releases == 1
+    assert again.releases == 1
 
 
 def test_owner_ledger_keeps_the_relation_and_refuses_a_mismatch():

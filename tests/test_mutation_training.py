@@ -223,7 +223,8 @@ def test_only_this_models_optimizer_is_hooked_and_the_hook_is_removed():
 
 def test_a_step_without_a_new_batch_is_an_error():
     net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match="^optimizer.step\\(\\) was called without a new batch"):
+    with pytest.raises(ul.UserLoopError, match=r"^optimizer\.step\(\) was called without a new batch from the "
+                                               r"private loader: take exactly one step per batch$"):
         with _private(net, q=1.0, steps=2) as (model, loader, _):
             _sgd(model, loader, steps_per_batch=2)
     net = _Tiny()
@@ -234,7 +235,9 @@ def test_a_step_without_a_new_batch_is_an_error():
 
 def test_missing_or_wrong_per_sample_gradients_are_named():
     net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match=r"^per-sample gradients of a batch of 40 records expected, got none"):
+    msg = (r"^per-sample gradients of a batch of 40 records expected, got none: call loss\.backward\(\) exactly "
+           r"once per batch, on the model passed to your train function, with a loss averaged over the batch$")
+    with pytest.raises(ul.UserLoopError, match=msg):
         with _private(net, q=1.0, steps=1) as (model, loader, _):
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             for _x, _y in loader:
@@ -544,3 +547,35 @@ def test_the_per_sample_backend_is_chosen_as_configured(monkeypatch):
     grads = d._PerSampleGrads(model, ())
     assert grads.name == "opacus"
     grads.close()
+
+
+def test_preload_opacus_starts_one_named_import_thread_once(monkeypatch):
+    import importlib
+    import types
+
+    started = []
+
+    class FakeThread:
+        def __init__(self, target=None, args=(), name=None):
+            self.target, self.args, self.name = target, args, name
+
+        def start(self):
+            started.append(self)
+
+    monkeypatch.setattr(d, "threading", types.SimpleNamespace(Thread=FakeThread))
+    monkeypatch.setattr(d, "_preload", None)
+    monkeypatch.setattr(d, "sys", types.SimpleNamespace(modules={}))
+    d.preload_opacus()
+    d.preload_opacus()
+    assert len(started) == 1 and d._preload is started[0]
+    assert started[0].target is importlib.import_module and started[0].args == ("opacus",)
+    assert started[0].name == "opacus-preload"
+    monkeypatch.setattr(d, "_preload", None)
+    monkeypatch.setattr(d, "sys", types.SimpleNamespace(modules={"opacus": object()}))
+    d.preload_opacus()  # already imported: nothing to do
+    assert len(started) == 1 and d._preload is None
+
+
+def test_unit_index_casts_user_ids_to_int64():
+    idx, n = d._unit_index(2, np.array([0.0, 1.0]))
+    assert idx.dtype == torch.int64 and n == 2

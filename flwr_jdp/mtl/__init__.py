@@ -11,5 +11,6 @@ Modules: :mod:`.noise` (the release, paper vs tight calibration, Theorem 1's
 RDP), :mod:`.models` (linear task models), :mod:`.tasks` (synthetic and real
 tasks), :mod:`.local` (projected gradient descent and fine-tuning),
 :mod:`.algorithm` (configuration and the single-process reference loop),
-:mod:`.config` (run-config parsing).
+:mod:`.config` (run-config parsing), :mod:`.client` (the client half for a user's
+own torch ClientApp: :class:`~flwr_jdp.mtl.client.MTLClient`).
 """
