@@ -56,3 +56,25 @@ def shakespeare_dir():
 def fashion_mnist_dir():
     """The Fashion-MNIST folder (IDX .gz files)."""
     return _shared_data("fashion-mnist", "train-images-idx3-ubyte.gz")
+
+
+@pytest.fixture(autouse=True)
+def _flwr_logs_reach_caplog(request):
+    """Flower logs to its own ``flwr`` logger, which a JointDP run detaches from the
+    root logger (no duplicated lines): hand its records to ``caplog`` directly, so a
+    test's log checks do not depend on whether a run happened earlier in the process."""
+    if "caplog" not in request.fixturenames:
+        yield
+        return
+    import logging
+
+    caplog = request.getfixturevalue("caplog")
+    logger = logging.getLogger("flwr")
+    old = logger.propagate
+    logger.propagate = False
+    logger.addHandler(caplog.handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.propagate = old

@@ -168,7 +168,7 @@ def test_exponential_mechanism_score_sensitivity_and_net_cover():
         assert diff.min() >= -1e-9 and diff.max() <= zeta ** 2 + 1e-9
 
 
-@pytest.mark.slow  # Ray simulation
+@pytest.mark.extended  # Ray simulation: `pytest -m extended`
 def test_flower_aggregate_equals_single_process(tmp_path):
     """Users spread over 3 SuperNodes (Flower's Ray simulation) give the same
     embedding and MSE as the single-process computation with the same noise."""

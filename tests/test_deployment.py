@@ -25,7 +25,7 @@ from flwr_jdp.privacy.ledger import PrivacyLedger, owner_scope
 
 from .helpers import flwr_env, free_port, run_inprocess
 
-pytestmark = pytest.mark.slow  # Ray simulation or SuperLink processes: `pytest -m slow`
+pytestmark = pytest.mark.xdist_group("superlink")  # SuperLink processes: one at a time under pytest-xdist
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -167,6 +167,7 @@ def _owner_ledgers(tmp):
     return out
 
 
+@pytest.mark.slow  # SuperLink processes: `pytest -m slow`
 @pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None,
                     reason="Flower's SuperLink is not installed beside this Python")
 def test_serverapp_killed_mid_round_resumes_and_charges_every_release(federation, run_config):
@@ -232,6 +233,7 @@ def test_serverapp_killed_mid_round_resumes_and_charges_every_release(federation
     assert res["noise_multiplier"] == pytest.approx(strategy.noise_multiplier, rel=1e-12)
 
 
+@pytest.mark.extended  # also covered by the deployment guide's SuperNode-failure block
 @pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None,
                     reason="Flower's SuperLink is not installed beside this Python")
 def test_supernode_disconnecting_mid_run_is_dropped_and_charged(federation, run_config):

@@ -10,7 +10,7 @@ from flwr.app import ConfigRecord
 
 from research.simulation import simulate
 
-pytestmark = pytest.mark.slow  # Ray simulation or SuperLink processes: `pytest -m slow`
+pytestmark = pytest.mark.extended  # long end-to-end check: `pytest -m extended` (not in CI)
 
 
 def _faulty(kind_wanted, behaviour):

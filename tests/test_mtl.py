@@ -175,7 +175,7 @@ def _sim_config(tmp_path, **extra):
             "finetune-lr": 0.1, **extra}
 
 
-@pytest.mark.slow  # Ray simulation
+@pytest.mark.extended  # Ray simulation: `pytest -m extended`
 def test_flower_run_equals_single_process_and_sends_only_projected_models(tmp_path):
     rc = _sim_config(tmp_path)
     sent = []
@@ -207,7 +207,7 @@ def test_flower_run_equals_single_process_and_sends_only_projected_models(tmp_pa
     assert [r["round"] for r in ledger["rounds"]] == [1, 2, 3]
 
 
-@pytest.mark.slow  # Ray simulation
+@pytest.mark.extended  # Ray simulation: `pytest -m extended`
 def test_out_of_ball_and_malformed_replies_are_dropped_with_a_reason(tmp_path):
     def attack(kind, handler):
         if kind != "train":

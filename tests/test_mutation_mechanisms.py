@@ -79,6 +79,14 @@ def test_gaussian_torch_release_mean_std_dtype(secure, dtype):
     assert len(mech.release_torch([], gen)) == 0
 
 
+def test_seeded_torch_noise_is_drawn_in_the_sums_dtype():
+    mech = GaussianSumMechanism(1.0, 2.0, 4.0)
+    s = torch.full((1000,), 3.0, dtype=torch.float64)
+    out = mech.release_torch([s], torch.Generator().manual_seed(8))[0]
+    noise = torch.normal(0.0, 2.0, size=(1000,), generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    assert out.dtype == torch.float64 and torch.equal(out, (s + noise) / 4.0)
+
+
 def test_secure_torch_release_ignores_requires_grad():
     mech = GaussianSumMechanism(1.0, 1.0, secure=True)
     out = mech.release_torch([torch.zeros(4, requires_grad=True)], None)[0]

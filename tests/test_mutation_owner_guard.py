@@ -133,7 +133,7 @@ def test_agreed_release_fields_come_from_the_config_and_the_owners_size():
     assert agreed_release(cfg, OwnerSize(160, 160), max_epsilon=60.0).budget == 6.0
     replace = parse_config({"noise-multiplier": 1.0, "neighbouring": "replace-one"})
     assert agreed_release(replace, OwnerSize(160, 160)).neighbouring == "replace-one"
-    with pytest.raises(ValueError, match="owners check the server's instructions under local noise only"):
+    with pytest.raises(ValueError, match="^owners check the server's instructions under local noise only$"):
         agreed_release(parse_config({"noise-placement": "central"}), OwnerSize(10, 10))
 
 
@@ -196,5 +196,6 @@ def test_owner_ledger_keeps_the_relation_and_refuses_a_mismatch():
     assert ledger.ledger.neighbouring == "replace-one" and ledger.ledger.unit == "user"
     with pytest.raises(ValueError):
         OwnerLedger.from_json(ledger.to_json(), _agreed(fixed_noise=0.0, accountant="rdp"), "user")
+    assert OwnerLedger(1.0, 1e-5, "pld", "record").ledger.neighbouring == "add-remove"
     direct = OwnerLedger(1.0, 1e-5, "pld", "record", state={}, neighbouring="add-remove")
     assert direct.ledger.scopes == {} and direct.ledger.budget == 1.0

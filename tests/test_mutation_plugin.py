@@ -11,9 +11,10 @@ This module is loaded as a pytest plugin by ``[tool.mutmut] pytest_add_cli_args`
 (``-p tests.test_mutation_plugin``). Inside the ``mutants/`` copy only, it puts a
 finder first on ``sys.meta_path`` that answers ``flwr_jdp.strategies[.X]`` and
 ``flwr_jdp.apps[.X]`` with the modules ``strategies[.X]`` and ``apps[.X]`` of that
-copy, so both import names give one module, named after its path. In a plain
-``pytest`` run this module does nothing (it is collected, and holds one check of
-the alias logic).
+copy, so both import names give one module, named after its path; and before each
+test it puts Flower's logger in one state (see :func:`pytest_runtest_setup`).
+In a plain ``pytest`` run this module does nothing (it is collected, and holds one
+check of the alias logic).
 """
 
 from __future__ import annotations
@@ -77,6 +78,18 @@ def install() -> bool:
 
 
 install()
+
+
+def pytest_runtest_setup(item):
+    """(Plugin hook: runs under ``-p tests.test_mutation_plugin`` only.) Start every
+    test with Flower's logger as :meth:`JointDP.start` leaves it (``propagate =
+    False``), so a test does not depend on whether a JointDP run came before it in
+    the process: mutmut runs each mutant's tests in an order of its own, and
+    ``test_owner_guard.py::test_owners_refuse_an_instruction_with_less_privacy_than_agreed``
+    fails its ``caplog`` check when it is the first JointDP run of a process."""
+    import logging
+
+    logging.getLogger("flwr").propagate = False
 
 
 def test_alias_names():

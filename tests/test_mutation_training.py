@@ -228,6 +228,10 @@ def test_a_step_without_a_new_batch_is_an_error():
         with _private(net, q=1.0, steps=2) as (model, loader, _):
             _sgd(model, loader, steps_per_batch=2)
     net = _Tiny()
+    with pytest.raises(ul.UserLoopError, match="without a new batch"):  # the second step of one batch
+        with _private(net, q=1.0, steps=1) as (model, loader, _):
+            _sgd(model, loader, steps_per_batch=2)
+    net = _Tiny()
     with pytest.raises(ul.UserLoopError, match="without a new batch"):
         with _private(net, q=1.0, steps=2) as (model, loader, _):
             torch.optim.SGD(model.parameters(), lr=1.0).step()  # before the first batch
@@ -250,6 +254,27 @@ def test_missing_or_wrong_per_sample_gradients_are_named():
                 nn.functional.cross_entropy(model(x), y).backward()
                 nn.functional.cross_entropy(model(x), y).backward()  # two backward passes
                 opt.step()
+
+
+def test_a_per_sample_gradient_of_the_wrong_batch_size_is_named_by_its_shape():
+    net = _Tiny()
+    with pytest.raises(ul.UserLoopError, match=r"^per-sample gradients of a batch of 40 records expected, got \(3, 3, 4\): "):
+        with _private(net, q=1.0, steps=1) as (model, loader, _):
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            for x, y in loader:
+                nn.functional.cross_entropy(model(x), y).backward()
+                net.body.weight.grad_sample = torch.zeros(3, 3, 4)
+                opt.step()
+
+
+def test_an_empty_sample_of_a_one_record_data_set():
+    net = _Tiny()
+    data = TensorDataset(torch.ones(1, 4), torch.zeros(1, dtype=torch.long))
+    with ul.private_training(net, DataLoader(data), unit_of_record=torch.arange(1), num_units=1,
+                             sample_rate=1e-12, steps=1, noise_multiplier=1.0, clipping_norm=1.0,
+                             generator=torch.Generator().manual_seed(0)) as (model, loader, _):
+        batches = [tuple(t.shape) for t, _ in loader]
+    assert batches == [(0, 4)]
 
 
 def test_no_trainable_parameter_and_an_unsupported_model_are_named():
@@ -398,7 +423,10 @@ def _reference_unit_sum(model, split, x, y, clip, users=None):
     return out
 
 
-@pytest.mark.parametrize("users", [None, np.array([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7])])
+UNEVEN = np.array([0, 1, 1, 1, 2, 3, 3, 4, 4, 4, 4, 5, 6, 6, 7, 7])  # 8 users of 1 to 4 records
+
+
+@pytest.mark.parametrize("users", [None, UNEVEN])
 def test_one_noiseless_step_is_minus_lr_times_the_clipped_sum_over_q_n(users):
     x, y = _digits()
     model, split = _model_and_split()
@@ -477,7 +505,7 @@ def test_secure_training_and_sampling_leave_the_generator_alone():
     assert torch.equal(gen.get_state(), state)
 
 
-@pytest.mark.parametrize("users", [None, np.array([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7])])
+@pytest.mark.parametrize("users", [None, UNEVEN])
 def test_central_clipped_sum_is_the_unnoised_unit_sum(users):
     x, y = _digits()
     model, split = _model_and_split()
@@ -579,3 +607,33 @@ def test_preload_opacus_starts_one_named_import_thread_once(monkeypatch):
 def test_unit_index_casts_user_ids_to_int64():
     idx, n = d._unit_index(2, np.array([0.0, 1.0]))
     assert idx.dtype == torch.int64 and n == 2
+
+
+def test_a_model_torch_func_refuses_falls_back_to_opacus_or_fails_under_func(monkeypatch):
+    from flwr_jdp.training import per_sample
+
+    monkeypatch.setattr(d, "_FUNC_FAILED", {})
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2, affine=False, track_running_stats=False))
+    monkeypatch.setattr(per_sample, "BACKEND", "auto")
+    grads = d._PerSampleGrads(model, ())
+    assert grads.name == "opacus"
+    assert d._FUNC_FAILED == {nn.Sequential: "FuncUnsupported: BatchNorm1d mixes the records of a batch"}
+    grads.close()
+    monkeypatch.setattr(per_sample, "BACKEND", "func")
+    with pytest.raises(per_sample.FuncUnsupported):
+        d._PerSampleGrads(model, ())
+
+
+def test_a_non_finite_loss_is_left_out_of_the_mean(monkeypatch):
+    x, y = _digits(8)
+    x[0] = np.nan  # record 0's loss is NaN (its gradient is zeroed before clipping)
+    model, split = _model_and_split()
+    ref, _ = _model_and_split()
+    want = float(torch.nn.functional.cross_entropy(ref(torch.from_numpy(x[1:])), torch.from_numpy(y[1:]).long()))
+    draws = iter([d.UnitBatch(torch.tensor([0]), torch.tensor([0]), 1),
+                  d.UnitBatch(torch.arange(1, 8), torch.arange(7), 7)])
+    monkeypatch.setattr(d, "_draw_batch", lambda *a: next(draws))
+    loss = d.train_dp_sgd(model, split, x, y, user_ids=None, noise_multiplier=0.0, clipping_norm=1.0,
+                          sample_rate=0.5, steps=2, lr=0.0, personal_lr=0.0,
+                          generator=torch.Generator().manual_seed(0))
+    assert loss == pytest.approx(want, rel=1e-5)

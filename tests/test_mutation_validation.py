@@ -104,7 +104,7 @@ def test_max_sampled_units_is_the_bernstein_bound():
     assert v.SAMPLE_TAIL == 1e-9
     assert v.max_sampled_units(100, 1.0) == 100 and v.max_sampled_units(100, 2.0) == 100
     assert v.max_sampled_units(0, 0.5) == 0 and v.max_sampled_units(-3, 0.5) == 0
-    for n, q, tail in [(1000, 0.01, 1e-9), (10_000, 0.05, 1e-9), (500, 0.2, 1e-3)]:
+    for n, q, tail in [(1000, 0.01, 1e-9), (10_000, 0.05, 1e-9), (500, 0.2, 1e-3), (1000, 0.001, 1e-30)]:
         mu, log_tail = n * q, math.log(1 / tail)
         t = log_tail / 3 + math.sqrt(log_tail**2 / 9 + 2 * log_tail * mu)
         assert v.max_sampled_units(n, q, tail) == min(n, math.ceil(mu + t))
@@ -164,13 +164,13 @@ def test_validate_replies_keeps_valid_owners_in_spec_order_with_weights():
 
 def test_validate_replies_drop_reasons():
     requested = {1: [2], 2: [4], 3: [6], 4: [8, 9], 5: [10], 7: [14]}
-    replies = [
+    replies = [  # each kind of bad reply comes before good ones: none ends the loop
+        _reply(6, _content([12])),  # a node not asked: ignored
+        _reply(5, _content([10, 11])),  # an owner it was not asked for
         _reply(1, error="boom"),
         _reply(2, _content([4], arrays=_arrays(10.0))),  # norm too large
         _reply(3, _content([6], metrics={protocol.NUM_EXAMPLES: -1})),
         _reply(4, _content([8])),  # owner 9 sends nothing
-        _reply(5, _content([10, 11])),  # an owner it was not asked for
-        _reply(6, _content([12])),  # a node not asked: ignored
     ]
     out = validate_replies(replies, requested, SPEC, max_norm=1.0)
     assert out.dropped == {

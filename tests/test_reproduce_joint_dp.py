@@ -42,7 +42,7 @@ def test_bad_cells_fail_with_the_option_name(kwargs, message):
         Cell(**args)
 
 
-@pytest.mark.slow  # Ray simulation
+@pytest.mark.extended  # Ray simulation: `pytest -m extended`
 def test_reproduce_one_cell_through_flower_simulation(tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["--dataset", "digits", "--owners", "4", "--method",

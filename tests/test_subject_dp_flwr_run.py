@@ -11,7 +11,7 @@ import pytest
 
 from .helpers import run_flwr_app
 
-pytestmark = pytest.mark.slow  # Ray simulation or SuperLink processes: `pytest -m slow`
+pytestmark = pytest.mark.extended  # long end-to-end check: `pytest -m extended` (not in CI)
 
 
 @pytest.mark.skipif(shutil.which("flwr", path=os.path.dirname(sys.executable)) is None,
