@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("superlink")]  # SuperLink/SuperNode processes: `pytest -m slow`
+pytestmark = pytest.mark.slow  # SuperLink/SuperNode processes (free ports): `pytest -m slow`
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "deploy.md"

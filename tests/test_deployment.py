@@ -25,8 +25,6 @@ from flwr_jdp.privacy.ledger import PrivacyLedger, owner_scope
 
 from .helpers import flwr_env, free_port, run_inprocess
 
-pytestmark = pytest.mark.xdist_group("superlink")  # SuperLink processes: one at a time under pytest-xdist
-
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 NODES = 3
