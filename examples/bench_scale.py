@@ -14,7 +14,7 @@ Configurations (in this order):
 2. the same (first placement) with ``--small-owners`` owners on the same nodes: the
    slope (peak at ``--owners`` - peak at ``--small-owners``) / (owners added) is the
    memory per added owner (records per owner kept equal, so the data grow too);
-3. plain Flower FedAvg (``apps/fedavg_app.py``, no DP) with ``--owners`` owners,
+3. plain Flower FedAvg (``flwr_jdp/joint_dp/fedavg_app.py``, no DP) with ``--owners`` owners,
    one per SuperNode (the only way that app hosts owners), ``--fedavg-rounds``
    rounds, and joint DP (first placement) on the same ``--owners`` SuperNodes for
    the same rounds: the round-time ratio at the same scale and the same layout.
@@ -146,9 +146,9 @@ def fedavg_main_recording(out: dict):
     """``apps/fedavg_app.main``, keeping the last round's federated accuracy."""
     from flwr.app import ArrayRecord
     from flwr.serverapp.strategy import FedAvg
-    from flwr_jdp.apps.owner_state import num_classes, owner_data
 
-    from flwr_jdp.config import parse_config
+    from flwr_jdp.joint_dp.config import parse_config
+    from flwr_jdp.joint_dp.owner_state import num_classes, owner_data
     from flwr_jdp.models import build_model
 
     def main(grid, context):  # noqa: ANN001, ANN202
@@ -165,7 +165,7 @@ def fedavg_main_recording(out: dict):
 
 
 def run_child(spec: dict) -> dict:
-    from flwr_jdp.apps import fedavg_app
+    from flwr_jdp.joint_dp import fedavg_app
 
     from research.simulation import simulate
 

@@ -67,14 +67,13 @@ def dp_sgd_step(image: int, batch: int, repeats: int) -> dict[str, float]:
 
 
 def central_aggregation(image: int, owners: int, repeats: int, unit: str) -> tuple[dict[str, float], int]:
-    from flwr_jdp.strategies import JointDP
-    from flwr_jdp.strategies.validation import spec_of
-
-    from flwr_jdp import protocol
-    from flwr_jdp.config import parse_config
+    from flwr_jdp.joint_dp import protocol
+    from flwr_jdp.joint_dp.config import parse_config
+    from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
+    from flwr_jdp.joint_dp.validation import spec_of
     from flwr_jdp.models import SeedCNN
     from flwr_jdp.params import get_arrays, split_parameters
-    from flwr_jdp.privacy.schedule import OwnerSize, build_schedule
+    from flwr_jdp.strategies import JointDP
 
     model = SeedCNN(1, image, 10)
     shared = get_arrays(model, split_parameters(model, r"^fc1\.").shared)

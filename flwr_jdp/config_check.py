@@ -1,6 +1,6 @@
 """The one run-config check every system uses: typed parsing and range checks.
 
-Each system's configuration (joint DP's :class:`~flwr_jdp.config.JobConfig`,
+Each system's configuration (joint DP's :class:`~flwr_jdp.joint_dp.config.JobConfig`,
 DP-MTL's, subject-level DP's, Priv-AltMin's) is a frozen dataclass whose field
 ``x_y`` is the Flower run-config key ``x-y``. :func:`parse_dataclass` reads one from
 a run config (values coerced to each field's type, unknown keys ignored, an optional
@@ -15,6 +15,8 @@ This module imports nothing of the project, so any module may use it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -155,5 +157,26 @@ def namespace(run_config: Mapping[str, Any], prefix: str, known: Iterable[str],
     return values
 
 
-__all__ = ["ConfigError", "coerce", "config_key", "key_prefix", "namespace", "need", "parse_dataclass",
-           "read_fields"]
+#: Run-config keys that do not change what a run computes (left out of
+#: :func:`config_digest`): ``resume`` only says whether to continue a checkpoint.
+IGNORED_KEYS = ("resume",)
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """Digest of the configuration a checkpoint belongs to."""
+    relevant = {k: v for k, v in sorted(config.items()) if k not in IGNORED_KEYS}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_folder(results_dir: str, session: str) -> str:
+    """Where a run writes: ``results-dir``, or (empty) a new folder of its own,
+    ``results/<UTC date-time>-<session>``."""
+    if results_dir:
+        return results_dir
+    import time
+
+    return f"results/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{session[:6]}"
+
+
+__all__ = ["IGNORED_KEYS", "ConfigError", "config_digest", "coerce", "config_key", "key_prefix", "namespace", "need", "parse_dataclass",
+           "read_fields", "run_folder"]

@@ -28,7 +28,7 @@ Trust models
     aggregator, the paper's billboard model) adds the noise once.
 
 Personal layers (joint-DP) are *decoupled* from the shared release (the default
-``personal-coupling``; see :mod:`flwr_jdp.training.owner_round`): the paper's
+``personal-coupling``; see :mod:`flwr_jdp.joint_dp.owner_round`): the paper's
 Algorithm 1 takes the shared gradients through personal layers trained without
 noise, which leaves its record-level guarantee unproven, so ``--coupling
 interleaved`` reproduces it only for comparison.
@@ -92,14 +92,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flwr_jdp.config import (
+from flwr_jdp.data.partition import VALIDATION_SOURCES
+from flwr_jdp.joint_dp.config import (
     FINETUNE_LEARNING_RATE,
     MAX_AUGMENT_SHIFT,
     RELEASE_PERSONAL,
     config_digest,
     parse_config,
 )
-from flwr_jdp.data.partition import VALIDATION_SOURCES
 
 #: Run-config keys added after results were committed, with the value every
 #: earlier run used: a stored config without the key equals one with it at this value.

@@ -1,11 +1,11 @@
 """Run the project's ServerApp and ClientApp in Flower's Ray simulation from Python.
 
 This is what ``flwr run .`` does, minus the SuperLink: Flower's
-``run_simulation`` with the real ``flwr_jdp.apps`` handlers, a run config given
+``run_simulation`` with the real handlers of the systems' Flower Apps, a run config given
 as a dict (``run_simulation`` has no run-config argument, so every handler sees a
 copy of its ``Context`` with the overrides applied), and ``num_supernodes``
 SuperNodes. Node ``i`` gets ``partition-id = i`` and ``num-partitions =
-num_supernodes`` and hosts the owners ``flwr_jdp.protocol.hosted_owners`` assigns
+num_supernodes`` and hosts the owners ``flwr_jdp.joint_dp.protocol.hosted_owners`` assigns
 to it, so one SuperNode may host many owners (fewer, larger messages).
 
 Used by the benchmarks, the tests and ``python -m research.reproduce_joint_dp``.
@@ -65,8 +65,10 @@ def simulate(
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
-    from flwr_jdp.apps import altmin_app, fedavg_app, mtl_app, server_app
-    from flwr_jdp.apps import client_app as jdp_client
+    from flwr_jdp.altmin import app as altmin_app
+    from flwr_jdp.joint_dp import client_app as jdp_client
+    from flwr_jdp.joint_dp import fedavg_app, server_app
+    from flwr_jdp.mtl import app as mtl_app
 
     if app not in APPS:
         raise ValueError(f"app must be one of {APPS}, got {app!r}")

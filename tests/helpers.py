@@ -8,11 +8,11 @@ import socket
 import sys
 from pathlib import Path
 
-from flwr_jdp.apps.client_app import app as client_app
 from flwr_jdp.strategies import JointDP
 
-from flwr_jdp.config import parse_config
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp.client_app import app as client_app
+from flwr_jdp.joint_dp.config import parse_config
 
 
 def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None, node_config=None):

@@ -18,7 +18,7 @@ from flwr_jdp.altmin.problem import ProblemSpec, Users, all_users, true_embeddin
 from flwr_jdp.altmin.release import GaussianRelease, wigner
 from flwr_jdp.altmin.solver import embedding_from_sums, newton_update, orthonormal, subspace_distance
 from flwr_jdp.altmin.statistics import SampleSplit, init_statistic
-from flwr_jdp.config import ConfigError
+from flwr_jdp.joint_dp.config import ConfigError
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 
 

@@ -53,17 +53,17 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from torch import nn
 
-from flwr_jdp import protocol
-from flwr_jdp.config import parse_config
 from flwr_jdp.data.partition import OwnerData
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.owner_guard import Instruction, agreed_release
+from flwr_jdp.joint_dp.owner_round import OwnerPlan, train_owner_round
+from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
 from flwr_jdp.params import get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.audit import AuditResult, audit_two_run, max_certifiable_epsilon
 from flwr_jdp.privacy.ledger import PrivacyLedger
-from flwr_jdp.privacy.owner_guard import Instruction, agreed_release
-from flwr_jdp.privacy.schedule import OwnerSize, build_schedule
-from flwr_jdp.training.owner_round import OwnerPlan, train_owner_round
 
 ALPHA = 0.05  # the bounds hold with probability >= 95 %
 #: Thresholds on the audited scalar (in units of the canary's shift), fixed before
@@ -97,12 +97,9 @@ def _report(name: str, claim: float, res: AuditResult, seconds: float, threshold
 
 def _code_dirs() -> dict[str, str]:
     """Where the audited code was imported from (the mutant script checks it is its copy)."""
-    import flwr_jdp.apps
-    import flwr_jdp.strategies
-
     import flwr_jdp
 
-    return {m.__name__: str(Path(m.__file__).resolve().parent) for m in (flwr_jdp, flwr_jdp.strategies, flwr_jdp.apps)}
+    return {flwr_jdp.__name__: str(Path(flwr_jdp.__file__).resolve().parent)}
 
 
 def _check(name: str, claim: float, res: AuditResult, seconds: float, thresholds: np.ndarray = THRESHOLDS,
@@ -348,9 +345,8 @@ class _TasksGrid(InProcessGrid):
         self.tasks, self.model, self.cfg = {t.task_id: t for t in tasks}, model, cfg
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
-        from flwr_jdp.strategies.dp_mtl import CONFIG, MEAN, METRICS, MODELS, SETUP, TASKS, task_key
-
         from flwr_jdp.mtl.algorithm import task_round
+        from flwr_jdp.mtl.strategy import CONFIG, MEAN, METRICS, MODELS, SETUP, TASKS, task_key
 
         replies = []
         for msg in messages:
@@ -385,10 +381,9 @@ def test_dp_mtl_noisy_mean_audit():
     projecting to, and the server admitting, the ball of radius 10 B with the noise for
     B 6.226.
     """
-    from flwr_jdp.strategies.dp_mtl import CONFIG, MEAN, MODELS, TASKS, DPMeanRegularizedMTL, task_key
-
+    from flwr_jdp.models.linear import LinearModel
     from flwr_jdp.mtl.algorithm import MTLConfig
-    from flwr_jdp.mtl.models import LinearModel
+    from flwr_jdp.mtl.strategy import CONFIG, MEAN, MODELS, TASKS, DPMeanRegularizedMTL, task_key
     from flwr_jdp.mtl.tasks import TaskData
 
     cfg = MTLConfig(lam=1.0, radius=1.0, rounds=1, local_steps=1, lr=0.1, target_epsilon=1.0, delta=DELTA)
@@ -474,9 +469,9 @@ def test_winsorized_mean_audit():
     0.486; mean noise 10x smaller 5.499; winsorizing to 10 r with the noise for r 5.528.
     """
     from flwr.serverapp.strategy import FedAvg
-    from flwr_jdp.strategies.winsorized_dp import DifferentialPrivacyWinsorizedMean
 
-    from flwr_jdp.privacy.winsorized import RADIUS_FACTOR, WinsorizedMean
+    from flwr_jdp.winsorized.estimator import RADIUS_FACTOR, WinsorizedMean
+    from flwr_jdp.winsorized.strategy import DifferentialPrivacyWinsorizedMean
 
     class FedAvgMetricsOnly(FedAvg):
         """Flower's FedAvg, minus its aggregate: the wrapper takes only the inner
@@ -541,7 +536,8 @@ def test_subject_level_silo_round_audit():
 
     torch.set_num_threads(1)
     cfg = SubjectDPConfig(method="higradavg-dp", noise_multiplier=Z, budget_rounds=1, local_steps=1,
-                          batch_size=64, clipping_norm=C, learning_rate=LR, delta=DELTA, num_silos=1)
+                          batch_size=64, clipping_norm=C, learning_rate=LR, delta=DELTA, num_silos=1,
+                          max_records_per_subject=0)  # reported counts (rate 1 on this silo)
     model = _probe()
     canary_x, canary_y, u = _canary(model)
     n = SUBJECT_SUBJECTS * SUBJECT_RECORDS
@@ -593,9 +589,8 @@ class _UsersGrid(InProcessGrid):
         self.users, self.cfg = users, cfg
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
-        from flwr_jdp.strategies.priv_altmin import METRICS, STATS
-
         from flwr_jdp.altmin.statistics import init_statistic
+        from flwr_jdp.altmin.strategy import METRICS, STATS
 
         total = init_statistic(self.users, self.cfg.zeta, self.cfg.init_clip(ALTMIN_SAMPLES), self.cfg.split())
         content = {STATS: ArrayRecord({"m": Array(np.ascontiguousarray(total, dtype=np.float64))}),
@@ -644,10 +639,9 @@ def test_priv_altmin_init_release_audit(geometry):
     (dominant; the two mutants' runs are the same up to a factor 10 on the statistic,
     whose eigenvector is scale-free).
     """
-    from flwr_jdp.strategies.priv_altmin import PrivAltMin
-
     from flwr_jdp.altmin.algorithm import AltMinConfig
     from flwr_jdp.altmin.problem import ProblemSpec
+    from flwr_jdp.altmin.strategy import PrivAltMin
 
     anchors = [0.5] if geometry == "near-tie" else [1.0] * 5
     spec = ProblemSpec(num_users=len(anchors) + 1, samples_per_user=ALTMIN_SAMPLES, dim=2, rank=1)

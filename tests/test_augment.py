@@ -7,14 +7,14 @@ import copy
 import numpy as np
 import pytest
 import torch
-from flwr_jdp.apps.owner_state import new_model, owner_data, public_personal
 
-from flwr_jdp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp import owner_round as owner_round_module
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.owner_round import OwnerPlan, fit_personal, train_owner_round
+from flwr_jdp.joint_dp.owner_state import new_model, owner_data, public_personal
 from flwr_jdp.params import get_arrays
-from flwr_jdp.training import fit_personal, train_plain
-from flwr_jdp.training import owner_round as owner_round_module
+from flwr_jdp.training import train_plain
 from flwr_jdp.training.augment import random_shift
-from flwr_jdp.training.owner_round import OwnerPlan, train_owner_round
 from research.reproduce_joint_dp import Cell, comparable, run_config
 
 

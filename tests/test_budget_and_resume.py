@@ -5,7 +5,7 @@ import json
 import pytest
 from flwr_jdp.strategies import load_results
 
-from flwr_jdp.config import parse_config
+from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.privacy.ledger import PrivacyLedger, owner_scope
 
 from .helpers import Killed, kill_after_trains, run_inprocess

@@ -11,7 +11,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.privacy.ledger import PrivacyLedger
-from flwr_jdp.privacy.winsorized import WinsorizedMean
+from flwr_jdp.winsorized.estimator import WinsorizedMean
 
 
 class SpyGrid(InProcessGrid):
@@ -39,11 +39,11 @@ def _assert_each_round_charged_on_disk_before_sending(grid, rounds):
 
 
 def test_joint_dp(run_config, tmp_path):
-    from flwr_jdp.apps.client_app import app
     from flwr_jdp.strategies import JointDP
 
-    from flwr_jdp import protocol
-    from flwr_jdp.config import parse_config
+    from flwr_jdp.joint_dp import protocol
+    from flwr_jdp.joint_dp.client_app import app
+    from flwr_jdp.joint_dp.config import parse_config
 
     for placement in ("local", "central"):
         rc = dict(run_config, **{"noise-placement": placement, "results-dir": str(tmp_path / placement)})
@@ -54,9 +54,9 @@ def test_joint_dp(run_config, tmp_path):
 
 
 def test_dp_mtl(tmp_path):
-    from flwr_jdp.apps.mtl_app import client
     from flwr_jdp.strategies import DPMeanRegularizedMTL
 
+    from flwr_jdp.mtl.app import client
     from flwr_jdp.mtl.config import parse_mtl_config
 
     rc = {"num-tasks": 8, "samples-per-task": 10, "dim": 4, "rounds": 2, "target-epsilon": 3.0,
@@ -70,9 +70,9 @@ def test_dp_mtl(tmp_path):
 
 
 def test_priv_altmin_ledger_grows_on_disk_before_each_epoch(tmp_path):
-    from flwr_jdp.apps.altmin_app import client
     from flwr_jdp.strategies import PrivAltMin
 
+    from flwr_jdp.altmin.app import client
     from flwr_jdp.altmin.config import parse_altmin_config
 
     rc = {"num-users": 300, "dim": 4, "rank": 2, "epochs": 2, "target-epsilon": 4.0,
@@ -96,7 +96,7 @@ def test_priv_altmin_ledger_grows_on_disk_before_each_epoch(tmp_path):
 
 
 def test_winsorized_wrapper(tmp_path):
-    from flwr_jdp.strategies.winsorized_dp import DifferentialPrivacyWinsorizedMean
+    from flwr_jdp.winsorized.strategy import DifferentialPrivacyWinsorizedMean
 
     n, dim = 4, 3
     client = ClientApp()

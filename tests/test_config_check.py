@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from flwr_jdp.altmin.config import parse_altmin_config
-from flwr_jdp.config import ConfigError, namespaced_config, parse_config
 from flwr_jdp.config_check import coerce, namespace, need, parse_dataclass
+from flwr_jdp.joint_dp.config import ConfigError, namespaced_config, parse_config
 from flwr_jdp.mtl.config import namespaced_mtl_config, parse_mtl_config
 from flwr_jdp.subject.config import parse_subject_config
 

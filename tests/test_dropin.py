@@ -23,10 +23,10 @@ from flwr_jdp.strategies import JointDP
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from flwr_jdp import protocol
-from flwr_jdp.client import JointDPClient
-from flwr_jdp.config import ConfigError, namespaced_config
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.client import JointDPClient
+from flwr_jdp.joint_dp.config import ConfigError, namespaced_config
 from flwr_jdp.training.user_loop import private_training
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart-pytorch"

@@ -22,4 +22,4 @@ def test_app_builds_into_a_fab_below_the_limit_without_results(app):
     assert "pyproject.toml" in names
     assert not [n for n in names if n.startswith(("results/", "examples/", "tests/", "research/"))]
     if app == ROOT:
-        assert {"apps/server_app.py", "apps/client_app.py", "strategies/joint_dp.py"} <= set(names)
+        assert {"flwr_jdp/joint_dp/server_app.py", "flwr_jdp/joint_dp/client_app.py", "flwr_jdp/joint_dp/strategy.py"} <= set(names)

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr_jdp.apps.owner_state import new_model, owner_data, shared_arrays, shared_digest
 
-from flwr_jdp.config import parse_config
+from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.owner_round import _head_only, fit_personal
+from flwr_jdp.joint_dp.owner_state import new_model, owner_data, shared_arrays, shared_digest
+from flwr_jdp.joint_dp.protocol import to_record
 from flwr_jdp.models.pooling import MaxPool2x2
 from flwr_jdp.params import get_arrays
-from flwr_jdp.protocol import to_record
-from flwr_jdp.training import fit_personal, train_plain
-from flwr_jdp.training.owner_round import _head_only
+from flwr_jdp.training import train_plain
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 28, 28), (2, 8, 14, 14), (2, 3, 7, 7), (1, 2, 5, 6)])
@@ -200,11 +200,9 @@ def test_release_on_swapped_public_personal_equals_release_on_a_copy(run_config,
     values swapped in, instead of on a copy (:func:`release_model`): the released
     arrays must be the copy's bit for bit, and the owner's model (values, flags,
     training mode) must come out as it went in."""
-    from flwr_jdp.apps.owner_state import public_personal
-
+    from flwr_jdp.joint_dp.owner_round import OwnerPlan, _decoupled_release, release_model, train_owner_round
+    from flwr_jdp.joint_dp.owner_state import public_personal
     from flwr_jdp.privacy.mechanisms import torch_generator
-    from flwr_jdp.training import OwnerPlan, release_model, train_owner_round
-    from flwr_jdp.training.owner_round import _decoupled_release
 
     run_config.update({"method": "joint-dp", "noise-placement": placement, "privacy-unit": unit,
                        "records-per-user": 3})
@@ -246,7 +244,7 @@ class _SetupGrid:
         return [1, 2]
 
     def send_and_receive(self, messages, timeout=None):
-        from flwr_jdp import protocol
+        from flwr_jdp.joint_dp import protocol
 
         replies = []
         for msg in messages:
@@ -269,10 +267,10 @@ def test_setup_asks_a_silent_node_again_and_names_it_if_it_never_answers(run_con
     mismatch, where every node answered, still names the key."""
     from types import SimpleNamespace
 
-    import flwr_jdp.strategies.joint_dp as module
     from flwr_jdp.strategies import JointDP
 
-    from flwr_jdp.config import ConfigError
+    import flwr_jdp.joint_dp.strategy as module
+    from flwr_jdp.joint_dp.config import ConfigError
 
     # outside a Flower run a Message cannot be built; the grid only reads its address
     monkeypatch.setattr(module, "Message", lambda content, dst_node_id, message_type:

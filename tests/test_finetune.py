@@ -5,13 +5,14 @@ sent or stored does, and the ledger is that of a run without it."""
 import numpy as np
 import pytest
 import torch
-from flwr_jdp.apps.owner_state import new_model, owner_data
 from flwr_jdp.strategies import load_results
 
-from flwr_jdp import protocol
-from flwr_jdp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.owner_round import adapted_model
+from flwr_jdp.joint_dp.owner_state import new_model, owner_data
 from flwr_jdp.params import get_arrays
-from flwr_jdp.training import adapted_model, evaluate
+from flwr_jdp.training import evaluate
 from research.reproduce_joint_dp import comparable
 
 from .helpers import run_inprocess

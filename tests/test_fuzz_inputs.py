@@ -4,11 +4,11 @@ and random invalid run-configs fail at start-up with a ConfigError naming the ke
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr_jdp.strategies.validation import spec_of, validate_replies
 
-from flwr_jdp import protocol
-from flwr_jdp.config import ConfigError, JobConfig, parse_config
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import ConfigError, JobConfig, parse_config
+from flwr_jdp.joint_dp.validation import spec_of, validate_replies
 
 SHAPES = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc2.weight": (10, 8)}
 

@@ -12,11 +12,11 @@ from flwr.serverapp.strategy import (
     FedAvgM,
     FedMedian,
 )
-from flwr_jdp.apps.client_app import app as client_app
 from flwr_jdp.strategies import JointDP
 
-from flwr_jdp.config import ConfigError, parse_config
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp.client_app import app as client_app
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
 
 
 def _run(run_config, inner=None):

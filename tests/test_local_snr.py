@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from flwr_jdp.config import parse_config
-from flwr_jdp.privacy.schedule import build_schedule, calibrate_schedule
+from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.schedule import build_schedule, calibrate_schedule
 from research.reproduce_joint_dp import Cell, run_config
 
 from .helpers import load_example

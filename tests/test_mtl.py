@@ -10,11 +10,11 @@ import pytest
 from dp_accounting.pld import PLDAccountant
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
-from flwr_jdp.config import ConfigError
+from flwr_jdp.joint_dp.config import ConfigError
+from flwr_jdp.models.linear import LinearModel
 from flwr_jdp.mtl.algorithm import MeanServer, MTLConfig, run_single_process, task_round
 from flwr_jdp.mtl.config import parse_mtl_config
 from flwr_jdp.mtl.local import local_pgd, project_ball
-from flwr_jdp.mtl.models import LinearModel
 from flwr_jdp.mtl.noise import (
     MeanRelease,
     paper_alpha,
@@ -245,10 +245,10 @@ def test_task_round_is_the_local_pgd_of_the_config():
 
 @pytest.mark.parametrize("phase", ["train", "evaluate"])
 def test_a_restarted_server_resumes_with_the_epsilon_it_had_spent(tmp_path, phase):
-    from flwr_jdp.apps.mtl_app import client
     from flwr_jdp.strategies import DPMeanRegularizedMTL
 
     from flwr_jdp.inprocess import InProcessGrid
+    from flwr_jdp.mtl.app import client
 
     rc = _sim_config(tmp_path, rounds=4)
     source, cfg, extras = parse_mtl_config(rc)
@@ -278,7 +278,7 @@ def test_a_restarted_server_resumes_with_the_epsilon_it_had_spent(tmp_path, phas
 
 
 def test_boolean_run_config_strings_are_parsed_not_truthy():
-    from flwr_jdp.config import coerce_value
+    from flwr_jdp.joint_dp.config import coerce_value
     assert coerce_value("resume", "false", True) is False and coerce_value("resume", "True", False) is True
     with pytest.raises(ConfigError, match="resume"):
         coerce_value("resume", "maybe", True)

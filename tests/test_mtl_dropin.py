@@ -24,8 +24,8 @@ from flwr_jdp.strategies import DPMeanRegularizedMTL
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from flwr_jdp.config import ConfigError
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp.config import ConfigError
 from flwr_jdp.mtl import protocol
 from flwr_jdp.mtl.client import STATE_PREFIX, MTLClient, flatten, load_flat, mean_regularized
 from flwr_jdp.mtl.config import namespaced_mtl_config

@@ -1,4 +1,4 @@
-"""Unit checks of the owner's own guard (flwr_jdp/privacy/owner_guard.py) that kill
+"""Unit checks of the owner's own guard (flwr_jdp/joint_dp/owner_guard.py) that kill
 mutants the in-process runs of tests/test_owner_guard.py leave alive or only kill
 slowly: each bound of :meth:`AgreedRelease.check` at and just past its edge, the
 event an owner charges, the fields :func:`agreed_release` derives, and the owner's
@@ -10,10 +10,8 @@ import math
 import dp_accounting as dpa
 import pytest
 
-from flwr_jdp.config import parse_config
-from flwr_jdp.privacy import events as ev
-from flwr_jdp.privacy.accountants import epsilon
-from flwr_jdp.privacy.owner_guard import (
+from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.owner_guard import (
     SELF_SCOPE,
     TOLERANCE,
     AgreedRelease,
@@ -21,7 +19,9 @@ from flwr_jdp.privacy.owner_guard import (
     OwnerLedger,
     agreed_release,
 )
-from flwr_jdp.privacy.schedule import OwnerSize
+from flwr_jdp.joint_dp.schedule import OwnerSize
+from flwr_jdp.privacy import events as ev
+from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.units import PrivacyUnit
 
 

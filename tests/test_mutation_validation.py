@@ -1,4 +1,4 @@
-"""Unit checks of reply validation (strategies/validation.py) written to kill
+"""Unit checks of reply validation (flwr_jdp/joint_dp/validation.py) written to kill
 surviving mutants (docs/mutation.md): every reason a reply is dropped or zeroed,
 at the edge of each check, with the exact reason text, and what is kept (arrays in
 spec order, weights, metrics)."""
@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
-from flwr_jdp.strategies import validation as v
-from flwr_jdp.strategies.validation import ArraySpec, spec_of, validate_replies
 
-from flwr_jdp import protocol
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp import validation as v
+from flwr_jdp.joint_dp.validation import ArraySpec, spec_of, validate_replies
 
 SPEC = {"a": ArraySpec((2,), "float32"), "b": ArraySpec((1, 2), "float32")}
 

@@ -28,9 +28,9 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
-from flwr_jdp import protocol
-from flwr_jdp.config import parse_config
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.privacy import mechanisms
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger, owner_scope
 
@@ -86,9 +86,9 @@ def test_joint_dp_local_noise_std_is_each_owners_recorded_event(run_config, unit
       ``SelfComposed(PoissonSampled(q, Gaussian(z)), steps)``;
     - owner unit: the clipped update plus ``N(0, (z C)^2)``, ``Gaussian(z)`` recorded.
     """
-    from flwr_jdp.apps.owner_state import owner_data
-
-    from flwr_jdp.training import dp_sgd, owner_round
+    from flwr_jdp.joint_dp import owner_round
+    from flwr_jdp.joint_dp.owner_state import owner_data
+    from flwr_jdp.training import dp_sgd
 
     if unit == "record":
         monkeypatch.setattr(dp_sgd, "clipped_unit_sum",
@@ -149,12 +149,11 @@ def test_dp_mtl_mean_noise_std_is_the_recorded_event(tmp_path, mode, relation, q
     half the multiplier (Theorem 1's constant), so the noise is twice the recorded one.
     The tight calibration (tested in ``test_mtl.py``; seconds of PLD) is replaced by a
     fixed ``z = 10``: what is checked here is the noise against the recorded event."""
-    from flwr_jdp.apps.mtl_app import client
-    from flwr_jdp.strategies import DPMeanRegularizedMTL
-    from flwr_jdp.strategies import dp_mtl as dp_mtl_module
-
     from flwr_jdp.mtl import noise as mtl_noise
+    from flwr_jdp.mtl import strategy as dp_mtl_module
+    from flwr_jdp.mtl.app import client
     from flwr_jdp.mtl.config import parse_mtl_config
+    from flwr_jdp.strategies import DPMeanRegularizedMTL
 
     def fixed_sigma(eps, delta, radius, rounds, num_tasks, sample_rate=1.0, *args, **kwargs):  # noqa: ANN001, ANN202
         return 10.0 * radius / (sample_rate * num_tasks)
@@ -201,10 +200,9 @@ def test_priv_altmin_release_noise_std_is_the_recorded_events(monkeypatch):
     std ``z_0 S_0`` per upper-triangle entry, epoch 1's ``A`` likewise with
     ``z_A S_A`` and ``b`` with ``z_b S_b``, each ``z`` read from the ledger and each
     ``S`` the clipping bound of one user's statistic."""
-    from flwr_jdp.strategies import PrivAltMin
-
     from flwr_jdp.altmin import algorithm
     from flwr_jdp.altmin.config import parse_altmin_config
+    from flwr_jdp.strategies import PrivAltMin
 
     spec, cfg, _ = parse_altmin_config({"num-users": 200, "dim": 30, "rank": 2, "epochs": 1,
                                         "target-epsilon": 4.0, "clip-a": 80.0, "a-share": 0.3,
@@ -274,9 +272,8 @@ def test_winsorized_mean_noise_std_is_the_recorded_events(kind, dim, monkeypatch
     std ``z_range sqrt(2 d)`` or ``sqrt(2) z_range 2 d``. One round goes through the
     grid and the ledger; more draws call the strategy's estimator as
     ``aggregate_train`` does (``dim`` a power of two: the rotation pads nothing)."""
-    from flwr_jdp.strategies.winsorized_dp import DifferentialPrivacyWinsorizedMean
-
-    from flwr_jdp.privacy.winsorized import RADIUS_FACTOR, WinsorizedMean, histogram, rotated_radius
+    from flwr_jdp.winsorized.estimator import RADIUS_FACTOR, WinsorizedMean, histogram, rotated_radius
+    from flwr_jdp.winsorized.strategy import DifferentialPrivacyWinsorizedMean
 
     counts_noise = []
     cls = mechanisms.LaplaceSumMechanism if kind == "laplace" else mechanisms.GaussianSumMechanism
@@ -328,11 +325,10 @@ def test_subject_level_silo_noise_std_is_the_recorded_events(method):
     change of the weights is the noise alone, ``lr z C sqrt(steps) / (q u)``, with
     ``z`` of every Gaussian in the events the strategy charges (local-item-dp also
     ``q`` and ``steps``: ``SelfComposed(PoissonSampled(q, Gaussian(z)), steps)``)."""
-    from flwr_jdp.strategies.subject_dp import SubjectLevelFedAvg
-
     from flwr_jdp.subject.config import SubjectDPConfig
     from flwr_jdp.subject.plan import make_plan
     from flwr_jdp.subject.silo_data import SiloData
+    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
     from flwr_jdp.training.subject_level import SiloPlan, train_silo_round
 
     records, subjects_per_silo = 60, 12
@@ -341,7 +337,8 @@ def test_subject_level_silo_noise_std_is_the_recorded_events(method):
     counts[subjects_per_silo:, 1] = records // subjects_per_silo
     cfg = SubjectDPConfig(method=method, accounting="exact", target_epsilon=4.0, budget_rounds=3,
                           batch_size=15, local_steps=2, learning_rate=0.5, clipping_norm=0.3,
-                          num_silos=2, results_dir="", noise_multiplier=1.3)  # given z: no calibration
+                          num_silos=2, results_dir="", noise_multiplier=1.3,  # given z: no calibration
+                          max_records_per_subject=0)  # reported counts
     strategy = SubjectLevelFedAvg(cfg, nn.Linear(4, 2), accountant="rdp")
     strategy.counts, strategy.plan = counts, make_plan(cfg, counts, accountant="rdp")
     events = strategy.round_events()

@@ -6,15 +6,15 @@ no charge in the owners' own ledgers."""
 import json
 
 import pytest
-from flwr_jdp.apps.client_app import app as client_app
-from flwr_jdp.strategies import JointDP, load_results
 
-from flwr_jdp import protocol
-from flwr_jdp.config import parse_config
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.privacy.owner_guard import Instruction, agreed_release
-from flwr_jdp.privacy.schedule import OwnerSize
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.client_app import app as client_app
+from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.owner_guard import Instruction, agreed_release
+from flwr_jdp.joint_dp.schedule import OwnerSize
 from flwr_jdp.privacy.units import PrivacyUnit
+from flwr_jdp.strategies import JointDP, load_results
 
 
 class TamperingJointDP(JointDP):
@@ -163,7 +163,7 @@ def test_owner_checks_use_the_runs_neighbouring_relation():
     """A noise multiplier calibrated under add/remove is too small for the same
     target under replace-one (one record moves a sum by up to 2C), and the owner's
     own check says so."""
-    from flwr_jdp.privacy.schedule import build_schedule, calibrate_schedule
+    from flwr_jdp.joint_dp.schedule import build_schedule, calibrate_schedule
 
     base = {"noise-multiplier": 0.0, "target-epsilon": 2.0, "num-rounds": 2, "batch-size": 16}
     add_remove = parse_config(base)

@@ -51,7 +51,8 @@ def test_validation_split_comes_from_training_records_only():
 
 def test_node_config_data_dir_overrides_the_run_config():
     from flwr.app import Context, RecordDict
-    from flwr_jdp.apps.owner_state import node_job_config
+
+    from flwr_jdp.joint_dp.owner_state import node_job_config
 
     ctx = Context(1, 5, {"partition-id": 0, "num-partitions": 1, "data-dir": "/data/on/this/node"},
                   RecordDict(), {"dataset": "fashion-mnist", "data-dir": "/data/default"})
@@ -94,7 +95,7 @@ def test_pool_validation_fails_naming_the_key_when_no_records_are_left():
 
 
 def test_validation_source_is_checked_at_start_up():
-    from flwr_jdp.config import ConfigError, parse_config
+    from flwr_jdp.joint_dp.config import ConfigError, parse_config
 
     with pytest.raises(ConfigError, match="'validation-source'"):
         parse_config({"validation-source": "test"})

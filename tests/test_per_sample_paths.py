@@ -269,7 +269,7 @@ def test_a_model_vmap_cannot_run_falls_back_to_opacus_with_one_log_line(monkeypa
 def test_the_audited_production_path_runs_through_torch_func(monkeypatch):
     """``train_owner_round`` (local and central release, record unit) on the audit's
     probe model with Opacus made unusable: it must not need it."""
-    from flwr_jdp.training.owner_round import OwnerPlan, train_owner_round
+    from flwr_jdp.joint_dp.owner_round import OwnerPlan, train_owner_round
     from tests.test_audit_production import _job, _owner, _probe, _records
 
     def no_opacus(model):  # noqa: ANN001, ANN202

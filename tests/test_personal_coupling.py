@@ -6,12 +6,12 @@ import copy
 import numpy as np
 import pytest
 import torch
-from flwr_jdp.apps.owner_state import new_model, owner_data, public_personal, shared_digest
 
-from flwr_jdp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.owner_round import OwnerPlan, fit_personal, train_owner_round
+from flwr_jdp.joint_dp.owner_state import new_model, owner_data, public_personal, shared_digest
 from flwr_jdp.params import get_arrays
 from flwr_jdp.privacy.mechanisms import torch_generator
-from flwr_jdp.training import OwnerPlan, fit_personal, train_owner_round
 
 from .helpers import run_inprocess
 

@@ -2,8 +2,9 @@
 
 import numpy as np
 import pytest
-from flwr_jdp.apps.owner_state import personal_key
 from flwr_jdp.strategies import load_results
+
+from flwr_jdp.joint_dp.owner_state import personal_key
 
 CASES = [(u, p) for u in ("record", "user", "owner") for p in ("local", "central")]
 
@@ -32,11 +33,11 @@ def test_no_personal_parameter_in_any_message(run_config, unit, placement):
         return reply
 
     grid_ref = []
-    from flwr_jdp.apps.client_app import app
     from flwr_jdp.strategies import JointDP
 
-    from flwr_jdp.config import parse_config
     from flwr_jdp.inprocess import InProcessGrid
+    from flwr_jdp.joint_dp.client_app import app
+    from flwr_jdp.joint_dp.config import parse_config
 
     grid = InProcessGrid(app, 2, run_config, fault=snapshot)
     grid_ref.append(grid)

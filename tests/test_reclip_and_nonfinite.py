@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr_jdp.strategies import JointDP
-from flwr_jdp.strategies.validation import NORM_SLACK, max_sampled_units, spec_of
 
-from flwr_jdp import protocol
-from flwr_jdp.config import parse_config
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
+from flwr_jdp.joint_dp.validation import NORM_SLACK, max_sampled_units, spec_of
 from flwr_jdp.models import SeedCNN
 from flwr_jdp.params import split_parameters
 from flwr_jdp.privacy.mechanisms import clip_float64, global_norm_numpy, reclipped_sum
-from flwr_jdp.privacy.schedule import OwnerSize, build_schedule
+from flwr_jdp.strategies import JointDP
 from flwr_jdp.training import dp_sgd
 from flwr_jdp.training.dp_sgd import UnitBatch, clipped_unit_sum
 

@@ -5,12 +5,12 @@ import json
 from pathlib import Path
 
 import pytest
-from flwr_jdp.strategies import load_results
 
-from flwr_jdp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule, calibrate_schedule
 from flwr_jdp.privacy import events as ev
 from flwr_jdp.privacy.ledger import PrivacyLedger
-from flwr_jdp.privacy.schedule import OwnerSize, build_schedule, calibrate_schedule
+from flwr_jdp.strategies import load_results
 
 from .helpers import run_inprocess
 

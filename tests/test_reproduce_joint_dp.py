@@ -5,7 +5,7 @@ import csv
 
 import pytest
 
-from flwr_jdp.config import parse_config
+from flwr_jdp.joint_dp.config import parse_config
 from research.reproduce_joint_dp import Cell, main, run_config, schedule_for
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from flwr_jdp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
 from flwr_jdp.privacy import mechanisms
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, secure_gaussian, secure_uniform
 from flwr_jdp.training.dp_sgd import secure_poisson_sample

@@ -6,12 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MetricRecord
-from flwr_jdp.apps.client_app import app as client_app
 from flwr_jdp.strategies import JointDP, load_results
 
-from flwr_jdp import protocol
-from flwr_jdp.config import ConfigError, parse_config
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.client_app import app as client_app
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
 from flwr_jdp.models import build_model
 from flwr_jdp.params import get_arrays
 from flwr_jdp.privacy.ledger import PrivacyLedger

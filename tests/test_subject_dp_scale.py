@@ -28,7 +28,7 @@ def test_resampled_writers_are_rows_of_the_real_map():
 def test_more_writers_need_less_noise_and_the_row_is_consistent():
     scale = _scale()
     cfg = SubjectDPConfig(method="higradavg-dp", accounting="exact", target_epsilon=4.0,
-                          delta=1e-5, budget_rounds=2, batch_size=8, local_steps=1)
+                          delta=1e-5, budget_rounds=2, batch_size=8, local_steps=1, max_records_per_subject=0)
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 4, size=(20, 3))
     small = scale.scale_row(cfg, counts, parameters=100)
@@ -60,7 +60,7 @@ def test_row_gives_local_item_dp_its_own_record_level_noise():
 
     scale = _scale()
     cfg = SubjectDPConfig(method="higradavg-dp", accounting="exact", target_epsilon=4.0,
-                          delta=1e-5, budget_rounds=2, batch_size=8, local_steps=1)
+                          delta=1e-5, budget_rounds=2, batch_size=8, local_steps=1, max_records_per_subject=0)
     counts = np.random.default_rng(1).integers(0, 4, size=(20, 3))
     large_counts = scale.resample_writers(counts, 200, seed=0)
     small, large = (scale.scale_row(cfg, c, parameters=100) for c in (counts, large_counts))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
-from flwr_jdp.config import ConfigError
+from flwr_jdp.config_check import ConfigError
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.subject.config import parse_subject_config
 from flwr_jdp.subject.group_privacy import (
@@ -209,7 +209,8 @@ def test_fixed_group_size_is_accounted_as_higradavg() -> None:
     from flwr_jdp.subject.plan import make_plan
 
     counts = np.array([[3, 0, 1], [1, 2, 0], [0, 0, 4], [2, 2, 2]])
-    common = {"budget_rounds": 3, "batch_size": 4, "target_epsilon": 2.0, "delta": 1e-5}
+    common = {"budget_rounds": 3, "batch_size": 4, "target_epsilon": 2.0, "delta": 1e-5,
+              "max_records_per_subject": 0}  # reported counts
     group = make_plan(SubjectDPConfig(method="local-group-dp", accounting="exact", group_size=2, **common), counts)
     hi = make_plan(SubjectDPConfig(method="higradavg-dp", accounting="exact", **common), counts)
     assert group.unit == hi.unit == "subject"
@@ -249,11 +250,10 @@ def test_subject_dp_apps_run_and_account_exactly(tmp_path, femnist_dir) -> None:
     """The real ServerApp strategy and ClientApp on an in-process grid: 20 FEMNIST
     writers over 4 silos, HiGradAvgDP calibrated by exact horizontal accounting; the
     ledger's epsilon (max over Pareto subjects) meets the target and equals the plan's."""
-    from flwr_jdp.apps.subject_dp_app import client, test_evaluator
-    from flwr_jdp.strategies.subject_dp import SubjectLevelFedAvg
-
     from flwr_jdp.inprocess import InProcessGrid
     from flwr_jdp.models.leaf_cnn import build_leaf_cnn
+    from flwr_jdp.subject.app import client, test_evaluator
+    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
 
     rc = {"data-dir": str(femnist_dir), "max-writers": 20, "num-silos": 4, "budget-rounds": 2,
           "method": "higradavg-dp", "accounting": "exact", "noise-seed": 0,

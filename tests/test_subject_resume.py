@@ -16,10 +16,9 @@ class CrashAfterSave(Exception):
 
 
 def _apps():
-    from flwr_jdp.apps.subject_dp_app import client, test_evaluator
-    from flwr_jdp.strategies.subject_dp import SubjectLevelFedAvg
-
     from flwr_jdp.inprocess import InProcessGrid
+    from flwr_jdp.subject.app import client, test_evaluator
+    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
     from flwr_jdp.subject.task import build_subject_model
     return client, test_evaluator, SubjectLevelFedAvg, InProcessGrid, build_subject_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from flwr_jdp.config import ConfigError
+from flwr_jdp.config_check import ConfigError
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
 from flwr_jdp.subject.config import SubjectDPConfig, parse_subject_config
@@ -91,7 +91,8 @@ def test_plan_samples_subjects_and_needs_less_noise_for_heavy_subjects() -> None
     rng = np.random.default_rng(0)
     counts = rng.integers(1, 4, size=(60, 3))
     counts[0] = 200  # one subject with many records at every silo
-    base = dict(method="higradavg-dp", accounting="exact", budget_rounds=5, local_steps=2, target_epsilon=4.0)
+    base = dict(method="higradavg-dp", accounting="exact", budget_rounds=5, local_steps=2, target_epsilon=4.0,
+                max_records_per_subject=0)  # reported counts
     subj = SubjectDPConfig(**base, sampling="subjects", batch_size=20)
     assert silo_rates(subj, counts) == pytest.approx([20 / 60] * 3)
     rec = SubjectDPConfig(**base, batch_size=int(20 / 60 * counts.sum(axis=0).mean()))
@@ -128,11 +129,10 @@ def test_run_samples_subjects_at_the_rates_the_ledger_records(tmp_path, femnist_
     """Real ServerApp strategy and ClientApp on an in-process grid: every silo step
     samples subjects at the plan's rate for that silo (batch-size / its subjects),
     and the ledger charges PoissonSampled events at exactly those rates."""
-    from flwr_jdp.apps.subject_dp_app import client, test_evaluator
-    from flwr_jdp.strategies.subject_dp import SubjectLevelFedAvg
-
     from flwr_jdp.inprocess import InProcessGrid
     from flwr_jdp.models.leaf_cnn import build_leaf_cnn
+    from flwr_jdp.subject.app import client, test_evaluator
+    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
 
     seen: list[tuple[float, int]] = []
     real = subject_level.poisson_subjects
@@ -144,7 +144,8 @@ def test_run_samples_subjects_at_the_rates_the_ledger_records(tmp_path, femnist_
     monkeypatch.setattr(subject_level, "poisson_subjects", spy)
     rc = {"data-dir": str(femnist_dir), "max-writers": 20, "num-silos": 4, "budget-rounds": 2,
           "method": "higradavg-dp", "accounting": "exact", "sampling": "subjects", "noise-seed": 0,
-          "results-dir": str(tmp_path / "run"), "batch-size": 8, "eval-every": 2}
+          "results-dir": str(tmp_path / "run"), "batch-size": 8, "eval-every": 2,
+          "max-records-per-subject": 0}  # reported counts: rates batch-size / subjects
     cfg = parse_subject_config(rc)
     strategy = SubjectLevelFedAvg(cfg, build_leaf_cnn(seed=0), test_evaluator(cfg), rc)
     strategy.start(InProcessGrid(client, 2, rc))

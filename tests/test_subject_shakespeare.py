@@ -8,7 +8,7 @@ import pytest
 import torch
 from opacus import GradSampleModule
 
-from flwr_jdp.config import ConfigError
+from flwr_jdp.config_check import ConfigError
 from flwr_jdp.data.shakespeare import chunk, load_shakespeare, parse_speeches
 from flwr_jdp.models.char_lstm import build_char_lstm
 from flwr_jdp.subject.config import parse_subject_config
@@ -149,10 +149,9 @@ def test_dataset_key_is_validated() -> None:
 def test_shakespeare_apps_run_and_account_exactly(tmp_path, shakespeare_dir) -> None:
     """The real ServerApp strategy and ClientApp on an in-process grid: 12
     characters over 3 silos, HiGradAvgDP under exact horizontal accounting."""
-    from flwr_jdp.apps.subject_dp_app import client, test_evaluator
-    from flwr_jdp.strategies.subject_dp import SubjectLevelFedAvg
-
     from flwr_jdp.inprocess import InProcessGrid
+    from flwr_jdp.subject.app import client, test_evaluator
+    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
     from flwr_jdp.subject.task import build_subject_model
 
     rc = {"dataset": "shakespeare", "data-dir": str(shakespeare_dir), "max-writers": 12, "num-silos": 3,

@@ -13,20 +13,20 @@ import dataclasses
 import json
 from pathlib import Path
 
-import flwr_jdp.apps.client_app as client_app
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from flwr.app import Array
-from flwr_jdp.apps.owner_state import new_model, owner_data, public_personal
 from flwr_jdp.strategies import load_results
 
-from flwr_jdp import protocol
-from flwr_jdp.config import parse_config
+import flwr_jdp.joint_dp.client_app as client_app
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.owner_round import OwnerPlan, release_model, train_owner_round
+from flwr_jdp.joint_dp.owner_state import new_model, owner_data, public_personal
 from flwr_jdp.params import get_arrays
 from flwr_jdp.privacy.ledger import SERVER_SCOPE
-from flwr_jdp.training import OwnerPlan, release_model, train_owner_round
 
 from .helpers import Killed, kill_after_trains, run_inprocess
 

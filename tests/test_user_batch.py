@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flwr_jdp.config import ConfigError, parse_config
-from flwr_jdp.privacy.schedule import OwnerSize, build_schedule
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
 
 
 def _cfg(**over):
@@ -54,10 +54,9 @@ def test_bad_user_batch_size_fails_naming_the_key(bad):
 def test_owners_sample_and_ledger_records_the_user_batch(run_config, monkeypatch):
     """In a real run the owners Poisson-sample users at user-batch-size / users and
     the ledger's events carry exactly that rate."""
-    from flwr_jdp.apps.client_app import app
-    from flwr_jdp.strategies import JointDP
-
     from flwr_jdp.inprocess import InProcessGrid
+    from flwr_jdp.joint_dp.client_app import app
+    from flwr_jdp.strategies import JointDP
     from flwr_jdp.training import dp_sgd
 
     rates = []

@@ -9,7 +9,7 @@ import pytest
 
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.ledger import PrivacyLedger
-from flwr_jdp.privacy.winsorized import (
+from flwr_jdp.winsorized.estimator import (
     RADIUS_FACTOR,
     RandomRotation,
     WinsorizedMean,
@@ -104,7 +104,7 @@ def test_vector_estimate_with_rotation_is_sample_mean_plus_noise():
         x = _concentrated_users(rng, n, d, tau, mu)
         errors.append(mech.estimate(x, rng) - x.mean(axis=0))
     errors = np.array(errors)
-    from flwr_jdp.privacy.winsorized import rotated_radius
+    from flwr_jdp.winsorized.estimator import rotated_radius
     tau_inf = rotated_radius(tau, n, 16, mech.beta)
     std = z * 2 * RADIUS_FACTOR * tau_inf * math.sqrt(d) / n  # per rotated coordinate
     assert np.abs(errors.mean(axis=0)).max() < 5 * std / math.sqrt(len(errors))

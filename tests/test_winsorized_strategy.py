@@ -8,13 +8,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.clientapp import ClientApp
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
-from flwr_jdp.strategies.winsorized_dp import DifferentialPrivacyWinsorizedMean
 
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.calibration import calibrate
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
-from flwr_jdp.privacy.winsorized import WinsorizedMean
+from flwr_jdp.winsorized.estimator import WinsorizedMean
+from flwr_jdp.winsorized.strategy import DifferentialPrivacyWinsorizedMean
 
 N, DIM = 512, 64  # the range step needs n >> z sqrt(2 d) (its histogram noise)
 MU = np.linspace(-0.02, 0.02, DIM)  # the clients' common update direction
@@ -117,8 +117,8 @@ def test_budget_exhaustion_stops_before_the_release():
 
 
 def test_user_level_dp_sgd_charges_every_step_and_learns_from_concentrated_users():
-    from flwr_jdp.mtl.models import LinearModel
-    from flwr_jdp.training.user_level_sgd import UserData, user_level_dp_sgd
+    from flwr_jdp.models.linear import LinearModel
+    from flwr_jdp.winsorized.user_level_sgd import UserData, user_level_dp_sgd
 
     rng = np.random.default_rng(0)
     w_star = np.array([0.6, -0.8])

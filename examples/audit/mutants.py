@@ -7,14 +7,10 @@ pattern must occur exactly once), and the audit test(s) of the mutated path are 
 in that copy with pytest. The real working tree is never modified.
 
 Imports come from the copy: the package is installed in editable mode, whose import
-hook maps ``flwr_jdp`` to the real tree and ``flwr_jdp.strategies`` / ``flwr_jdp.apps``
-to its top-level ``strategies/`` and ``apps/``. In the copy, ``PYTHONPATH`` puts the
-copy first (so ``flwr_jdp`` is found there before the hook is asked), and two
-symbolic links *inside the copy* (``flwr_jdp/strategies -> ../strategies``,
-``flwr_jdp/apps -> ../apps``) let the ordinary path finder resolve the two mapped
-subpackages in the copy too. This is checked twice: by a preflight import in the
-copy, and by every audit, which records where ``flwr_jdp``, ``flwr_jdp.strategies``
-and ``flwr_jdp.apps`` were imported from (a run that imported the real tree fails).
+hook maps ``flwr_jdp`` to the real tree; in the copy, ``PYTHONPATH`` puts the copy
+first, so ``flwr_jdp`` is found there before the hook is asked. This is checked
+twice: by a preflight import in the copy, and by every audit, which records where
+``flwr_jdp`` was imported from (a run that imported the real tree fails).
 
 Expected: the control passes every audit (lower bound <= claim); every mutant fails
 its audit(s) *because the certified lower bound exceeds the claim* (an error of any
@@ -90,7 +86,7 @@ MUTANTS: tuple[Mutant, ...] = (
            LOCAL, ("local_dp_sgd",)),
     # (b) central: owners' clipped sums + JointDP._aggregate's noise
     Mutant("central-noise/10", "JointDP._aggregate (KIND_GRAD_SUM) adds noise z/10",
-           (("strategies/joint_dp.py",
+           (("flwr_jdp/joint_dp/strategy.py",
              code("GaussianSumMechanism(self.noise_multiplier, cfg.clipping_norm, "
                   "self.schedule.server_rate * self.schedule.num_units"),
              "GaussianSumMechanism(self.noise_multiplier / 10, cfg.clipping_norm, "
@@ -117,18 +113,18 @@ MUTANTS: tuple[Mutant, ...] = (
            (("flwr_jdp/mtl/algorithm.py",
              code("local_pgd(w, mean, task, model, cfg.lam, cfg.lr, cfg.local_steps, cfg.radius)"),
              "local_pgd(w, mean, task, model, cfg.lam, cfg.lr, cfg.local_steps, cfg.radius * 10)"),
-            ("strategies/dp_mtl.py",
+            ("flwr_jdp/mtl/strategy.py",
              code("float(np.linalg.norm(w)) > self.cfg.radius * (1 + BALL_SLACK)"),
              "float(np.linalg.norm(w)) > self.cfg.radius * 10 * (1 + BALL_SLACK)")),
            MTL, ("dp_mtl_mean",)),
     # (c2) winsorized mean
     Mutant("winsor-noise/10", "WinsorizedMean.mean_mechanism states L2 sensitivity / 10: mean noise / 10",
-           (("flwr_jdp/privacy/winsorized.py",
+           (("flwr_jdp/winsorized/estimator.py",
              code("width * math.sqrt(dims), float(n))"),
              "width * math.sqrt(dims) / 10, float(n))"),),
            WINSOR, ("winsorized_mean",)),
     Mutant("winsor-clip*10", "WinsorizedMean.estimate winsorizes to 10 r, noise for r",
-           (("flwr_jdp/privacy/winsorized.py",
+           (("flwr_jdp/winsorized/estimator.py",
              code("total = clipped_sum(x, centre, radius)"),
              "total = clipped_sum(x, centre, 10 * radius)"),),
            WINSOR, ("winsorized_mean",)),
@@ -155,10 +151,6 @@ MUTANTS: tuple[Mutant, ...] = (
              "c = clip_factors(np.linalg.norm(per_user, axis=(1, 2)), clip_init * 10)"),),
            ALTMIN_DOMINANT, ("priv_altmin_init_dominant",)),
 )
-
-#: Subpackages the editable install maps outside ``flwr_jdp/`` (pyproject's package-dir).
-MAPPED = {"flwr_jdp/strategies": "../strategies", "flwr_jdp/apps": "../apps"}
-
 
 @dataclass
 class Outcome:
@@ -189,11 +181,6 @@ def make_copy(files: list[str], dest: Path) -> None:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, target)
-    for link, to in MAPPED.items():
-        path = dest / link
-        if path.exists() or path.is_symlink():
-            raise RuntimeError(f"{link} already exists in the copy")
-        path.symlink_to(to, target_is_directory=True)
 
 
 def apply(dest: Path, replacements: tuple[tuple[str, str, str], ...]) -> None:
@@ -219,8 +206,8 @@ def env_for(copy: Path, out: Path, home: Path) -> dict[str, str]:
 
 def preflight(copy: Path, env: dict[str, str]) -> None:
     """Import the package in the copy as pytest will, and check every part comes from it."""
-    code = ("import json, flwr_jdp, flwr_jdp.strategies.joint_dp as j, flwr_jdp.apps, flwr_jdp.training.dp_sgd as d;"
-            "print(json.dumps([flwr_jdp.__file__, j.__file__, flwr_jdp.apps.__file__, d.__file__]))")
+    code = ("import json, flwr_jdp, flwr_jdp.joint_dp.strategy as j, flwr_jdp.joint_dp.client_app as c, "
+            "flwr_jdp.training.dp_sgd as d; print(json.dumps([flwr_jdp.__file__, j.__file__, c.__file__, d.__file__]))")
     got = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, check=True, capture_output=True,
                          text=True).stdout
     for f in json.loads(got.strip().splitlines()[-1]):

@@ -1,7 +1,7 @@
 """How much signal a DP release of the shared parameters can carry, local against central noise.
 
 No training: the noise multipliers come from the project's own schedule and calibration
-(:func:`~flwr_jdp.privacy.schedule.build_schedule`, :func:`~flwr_jdp.privacy.schedule.calibrate_schedule`,
+(:func:`~flwr_jdp.joint_dp.schedule.build_schedule`, :func:`~flwr_jdp.joint_dp.schedule.calibrate_schedule`,
 PLD), for the run config of each cell (:func:`~research.reproduce_joint_dp.run_config`:
 N = 10,000 records split evenly, delta = 1e-4, the paper's E and T, HPARAMS' batch).
 
@@ -36,8 +36,8 @@ import math
 import sys
 from pathlib import Path
 
-from flwr_jdp.config import parse_config
-from flwr_jdp.privacy.schedule import OwnerSize, build_schedule, calibrate_schedule
+from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule, calibrate_schedule
 
 # research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]

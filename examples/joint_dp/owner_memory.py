@@ -3,8 +3,8 @@
 In a joint-DP run every owner's personal parameters stay on its node, in the
 ClientApp's ``context.state`` (and, on a SuperNode started with ``state-dir``, in one
 ``.npz`` file per owner). This script measures that state with the project's own
-code path (:func:`flwr_jdp.apps.owner_state.load_owner_model` and
-:func:`~flwr_jdp.apps.owner_state.save_personal`, exactly what the ClientApp calls),
+code path (:func:`flwr_jdp.joint_dp.owner_state.load_owner_model` and
+:func:`~flwr_jdp.joint_dp.owner_state.save_personal`, exactly what the ClientApp calls),
 for the Table 1 configuration (Fashion-MNIST, N = 10,000, FC1 personal) at each n:
 
 - ``state_bytes_per_owner``: bytes of the arrays that ``context.state`` holds per owner;
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 from flwr.app import Context, RecordDict
-from flwr_jdp.apps import owner_state
+from flwr_jdp.joint_dp import owner_state
 
-from flwr_jdp.config import parse_config
+from flwr_jdp.joint_dp.config import parse_config
 
 # research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from flwr_jdp.config import FINETUNE_LEARNING_RATE
+from flwr_jdp.joint_dp.config import FINETUNE_LEARNING_RATE
 
 # research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]

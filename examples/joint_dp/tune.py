@@ -54,8 +54,8 @@ import sys
 import time
 from pathlib import Path
 
-from flwr_jdp.config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT, RELEASE_PERSONAL
 from flwr_jdp.data.partition import VALIDATION_SOURCES
+from flwr_jdp.joint_dp.config import FINETUNE_LEARNING_RATE, MAX_AUGMENT_SHIFT, RELEASE_PERSONAL
 
 # research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]

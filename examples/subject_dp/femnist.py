@@ -1,10 +1,13 @@
 """Subject-level DP on FEMNIST (writers as subjects, 16 silos): the five methods of
 Marathe et al. through the project's ServerApp strategy and ClientApp.
 
-Each run is :class:`~flwr_jdp.strategies.subject_dp.SubjectLevelFedAvg` driving the
-real ClientApp (``flwr_jdp.apps.subject_dp_app:client``) on an in-process grid
+Each run is :class:`~flwr_jdp.subject.strategy.SubjectLevelFedAvg` driving the
+real ClientApp (``flwr_jdp.subject.app:client``) on an in-process grid
 (:class:`~flwr_jdp.inprocess.InProcessGrid`, no Ray; ``flwr run examples/subject_dp``
-runs the same apps on a Flower federation).
+runs the same apps on a Flower federation). Every run uses the reported-counts mode
+(``max-records-per-subject = 0``: silos report their per-subject counts, not DP), the
+paper's setting in which the committed results were computed; a user's run defaults to
+the public cap instead (``examples/subject_dp/pyproject.toml``).
 
     python examples/subject_dp/femnist.py --data-dir ../shared/data/femnist \\
         --alpha 1 --runs fedavg local-item-dp higradavg-exact user-ldp
@@ -32,11 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from accounting import write_csv
-from flwr_jdp.apps.subject_dp_app import client, test_evaluator
-from flwr_jdp.strategies.subject_dp import SubjectLevelFedAvg
 
 from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.subject.app import client, test_evaluator
 from flwr_jdp.subject.config import parse_subject_config
+from flwr_jdp.subject.strategy import SubjectLevelFedAvg
 from flwr_jdp.subject.task import build_subject_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +79,7 @@ def histogram(values: list[int]) -> dict[str, int]:
 def run_one(name: str, alpha: float, args: argparse.Namespace, seed: int = 0) -> dict:
     """One run; seed ``k`` uses model seed ``k`` and noise seed ``--noise-seed + k``."""
     rc = {"report-batch-stats": True,  # its histograms below; not DP (reproduction only)
+          "max-records-per-subject": 0,  # reported counts, as the paper (and the committed results); not DP
           "model-seed": seed, "dataset": args.dataset, "data-dir": args.data_dir, "alpha": alpha, "budget-rounds": args.budget_rounds,
           "batch-size": args.batch_size, "local-steps": args.local_steps, "max-writers": args.max_subjects,
           "learning-rate": args.learning_rate, "eval-every": args.eval_every,

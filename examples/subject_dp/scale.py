@@ -8,8 +8,9 @@ the real writer-by-silo record counts (alpha = 1) are resampled with replacement
 to ``N`` writers, so each silo holds about ``N / 300`` times as many records and a
 batch of 256 samples each writer at a lower rate.
 
-For each ``N`` it calibrates ``z`` under the exact subject-level accounting (the
-same :func:`~flwr_jdp.subject.plan.make_plan` a training run uses) and reports,
+For each ``N`` it calibrates ``z`` under the exact subject-level accounting of the
+reported counts (``max-records-per-subject = 0``; the same
+:func:`~flwr_jdp.subject.plan.make_plan` a training run uses) and reports,
 for one batch of one silo (C = 1, expected batch size B = 256):
 
 - ``subjects_per_batch``: expected number of distinct writers in the batch (the sum
@@ -97,7 +98,7 @@ def main() -> None:
     ap.add_argument("--results", default="results/subject_dp")
     args = ap.parse_args()
     cfg = SubjectDPConfig(method="higradavg-dp", accounting="exact", inclusion="subject",
-                          alpha=1.0, data_dir=args.data_dir)
+                          alpha=1.0, data_dir=args.data_dir, max_records_per_subject=0)  # reported counts
     real = sd.all_counts(cfg)
     parameters = sum(p.numel() for p in build_subject_model(cfg).parameters())
     rows = []

@@ -3,7 +3,7 @@
 n users each hold m samples in R^d; the unit of privacy is the user. Methods, at
 the same (epsilon, delta) (user level, replace-one):
 
-- ``winsorized``: :class:`flwr_jdp.privacy.winsorized.WinsorizedMean` (private
+- ``winsorized``: :class:`flwr_jdp.winsorized.estimator.WinsorizedMean` (private
   range by noisy histogram, winsorize to the range, Gaussian noise; randomized
   Hadamard rotation for d > 1). One quarter of the budget (in 1/z^2) goes to the
   range step, the rest to the mean.
@@ -40,7 +40,7 @@ import numpy as np
 
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.calibration import calibrate
-from flwr_jdp.privacy.winsorized import WinsorizedMean, clipped_gaussian_mean
+from flwr_jdp.winsorized.estimator import WinsorizedMean, clipped_gaussian_mean
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = 0.5

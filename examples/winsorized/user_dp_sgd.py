@@ -26,11 +26,11 @@ from pathlib import Path
 import dp_accounting as dpa
 import numpy as np
 
-from flwr_jdp.mtl.models import LinearModel
+from flwr_jdp.models.linear import LinearModel
 from flwr_jdp.privacy.calibration import calibrate
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
-from flwr_jdp.privacy.winsorized import WinsorizedMean
-from flwr_jdp.training.user_level_sgd import UserData, average_gradients, user_level_dp_sgd
+from flwr_jdp.winsorized.estimator import WinsorizedMean
+from flwr_jdp.winsorized.user_level_sgd import UserData, average_gradients, user_level_dp_sgd
 
 N, D, STEPS, LR, DELTA, BOUND, SHARE, BETA = 2000, 8, 20, 0.5, 1e-5, 3.0, 0.25, 0.01
 

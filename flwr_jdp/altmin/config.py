@@ -1,6 +1,6 @@
 """Run-config keys of the Priv-AltMin app, validated at start-up.
 
-Every key has a default; a bad value raises :class:`flwr_jdp.config.ConfigError`
+Every key has a default; a bad value raises :class:`flwr_jdp.joint_dp.config.ConfigError`
 naming the key and its allowed range. Problem keys (``num-users``,
 ``samples-per-user``, ``dim``, ``rank``, ``field-noise``, ``data-seed``) describe
 the synthetic users every SuperNode generates for itself; the others are

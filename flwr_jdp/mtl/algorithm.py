@@ -9,7 +9,7 @@ are (epsilon, delta)-DP (:mod:`.noise`); each personalized model is computed by
 its own task from its data and those releases (billboard lemma), hence JDP.
 
 The Flower strategy (:class:`flwr_jdp.strategies.DPMeanRegularizedMTL`) and the
-ClientApp (:mod:`flwr_jdp.apps.mtl_app`) call the same :class:`MeanServer` and
+ClientApp (:mod:`flwr_jdp.mtl.app`) call the same :class:`MeanServer` and
 :func:`task_round` / :func:`evaluate_task` as :func:`run_single_process`, so the
 two paths agree to rounding for the same noise seed.
 """
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from flwr_jdp.config_check import need
+from flwr_jdp.models.linear import LinearModel
 from flwr_jdp.privacy.backends import ACCOUNTANTS, RELATIONS
 
 from .local import finetune, local_pgd
-from .models import LinearModel
 from .noise import CALIBRATIONS, MeanRelease, plan_release
 from .tasks import TaskData, excess_loss
 

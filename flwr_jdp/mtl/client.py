@@ -62,7 +62,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
-from flwr_jdp.config import ConfigError
+from flwr_jdp.config_check import ConfigError
 
 from .algorithm import MTLConfig
 from .config import namespaced_mtl_config
@@ -83,7 +83,7 @@ from .protocol import (
 
 TrainFn = Callable[[nn.Module, DataLoader], object]
 
-#: ``context.state`` key prefix of a task's ``w_k`` (as in :mod:`flwr_jdp.apps.mtl_app`).
+#: ``context.state`` key prefix of a task's ``w_k`` (as in :mod:`flwr_jdp.mtl.app`).
 STATE_PREFIX = "dp-mtl.task."
 
 

@@ -1,6 +1,6 @@
 """Run-config keys of the DP-MTL app, validated at start-up.
 
-Every key has a default; a bad value raises :class:`flwr_jdp.config.ConfigError`
+Every key has a default; a bad value raises :class:`flwr_jdp.joint_dp.config.ConfigError`
 naming the key and its allowed range.
 
 - Tasks: ``dataset`` (``synthetic`` | ``digits`` | ``fashion-mnist`` | ``mnist``),
@@ -31,9 +31,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from flwr_jdp.config_check import ConfigError, coerce, namespace, need, parse_dataclass
+from flwr_jdp.models.linear import LinearModel
 
 from .algorithm import MTLConfig
-from .models import LinearModel
 from .tasks import SyntheticSpec, TaskData, label_skew_tasks, synthetic_tasks
 
 DATASETS = ("synthetic", "digits", "fashion-mnist", "mnist")

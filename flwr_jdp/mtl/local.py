@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .models import LinearModel
+from flwr_jdp.models.linear import LinearModel
+
 from .tasks import TaskData
 
 

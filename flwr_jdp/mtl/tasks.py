@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flwr_jdp.config_check import need
-
-from .models import LinearModel
+from flwr_jdp.models.linear import LinearModel
 
 
 @dataclass(frozen=True)

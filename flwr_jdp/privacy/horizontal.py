@@ -60,6 +60,11 @@ Accounting modes (``ACCOUNTING``)
       one silo's releases over ``R`` rounds and training stops after
       ``R / sqrt(s)`` rounds. A heuristic: its exact epsilon is reported beside it
       and may exceed the target.
+
+    Without any reported count (the subject-level system's default public-cap mode,
+    :mod:`flwr_jdp.subject.plan`) the accountant runs on the single row ``[K] * s``: every
+    silo truncates each subject to at most ``K`` records, so that row dominates every
+    subject's, and exact, s-fold and single-row epsilons coincide.
 """
 
 from __future__ import annotations

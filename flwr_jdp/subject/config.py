@@ -23,9 +23,17 @@ class SubjectDPConfig:
     sampling: str = "records"  # records (the paper's) | subjects (higradavg-dp: Poisson over subjects)
     records_per_subject: int = 1  # sampling = subjects: records each sampled subject brings (0 = all)
     group_size: int = 0  # local-group-dp: 0 = the paper's data-dependent Z; G > 0 = fixed, accounted
+    #: K > 0 (default): public-cap mode. Each silo keeps at most K records of each subject
+    #: and samples at the public ``sample-rate``; the server plans and accounts for the
+    #: worst-case subject (K records at every silo), and no subject ids or counts are sent.
+    #: 0: reported-counts mode (silos report per-subject counts; NOT DP; the paper's reproduction).
+    max_records_per_subject: int = 8
+    sample_rate: float = 0.1  # public-cap mode: every silo's Poisson rate (of records; of subjects)
     target_epsilon: float = 4.0
     delta: float = 1e-5
     budget_rounds: int = 100
+    #: expected records (sampling = subjects: subjects) per batch, the public divisor of a
+    #: silo's noisy sum; reported counts: each silo's rate is batch-size / its size
     batch_size: int = 256
     local_steps: int = 2
     learning_rate: float = 0.2
@@ -92,10 +100,28 @@ class SubjectDPConfig:
              "data-dependent noise has no exact account; set group-size > 0 to account it)", self.accounting)
         need(not (self.inclusion == "record" and self.accounting == "exact"), "inclusion",
              "'subject' with accounting = exact", self.inclusion)
+        need(0 <= self.max_records_per_subject <= 100_000, "max-records-per-subject",
+             "in [0, 100000] (0 = reported counts, not DP)", self.max_records_per_subject)
+        need(math.isfinite(self.sample_rate) and 0 < self.sample_rate <= 1, "sample-rate", "in (0, 1]",
+             self.sample_rate)
+        if self.public_cap:
+            need(self.inclusion == "subject", "max-records-per-subject",
+                 "0 (reported counts, not DP) with inclusion = record (the paper's accounting)",
+                 self.max_records_per_subject)
+            need(self.method != "local-group-dp" or self.group_size > 0, "max-records-per-subject",
+                 "0 (reported counts, not DP) for local-group-dp with group-size = 0 (the paper's "
+                 "data-dependent Z; set group-size > 0 to run it under the public cap)",
+                 self.max_records_per_subject)
 
     @property
     def private(self) -> bool:
         return self.method != "fedavg"
+
+    @property
+    def public_cap(self) -> bool:
+        """Public-cap mode (``max-records-per-subject`` > 0): nothing data-dependent is
+        sent at set-up; 0 is the reported-counts mode."""
+        return self.max_records_per_subject > 0
 
 
 KEYMAP = {f.replace("_", "-"): f for f in SubjectDPConfig.__dataclass_fields__}

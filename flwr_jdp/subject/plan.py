@@ -1,6 +1,23 @@
 """The privacy plan of a subject-level run: noise multiplier, rounds, accounting.
 
-Computed once, by the server, before training, from the subject-to-silo counts:
+Computed once, by the server, before training, in one of two modes:
+
+- **public cap** (``max-records-per-subject = K > 0``, the default): nothing
+  data-dependent is used. Each silo keeps at most ``K`` records of each subject
+  (a per-subject local truncation) and samples at the public ``sample-rate``; its
+  noisy sum is divided by the public ``batch-size``. The plan is made for the
+  worst-case subject, one with ``K`` records at every one of the ``s`` silos: the
+  horizontal accountant on the single count row ``[K] * s`` (presence ``[1] * s``
+  under ``sampling = subjects``, :func:`worst_case_counts`). A subject with fewer
+  records or at fewer silos has a dominated event (its inclusion rate grows with its
+  count, and a silo without it adds nothing), so the plan's epsilon bounds every
+  subject's: conservative and data-independent. Not for the paper's
+  ``inclusion = record`` accounting or ``local-group-dp`` with ``group-size = 0``.
+- **reported counts** (``max-records-per-subject = 0``, the paper's reproduction):
+  the silos report their subject-to-silo counts (data-dependent, not DP) and the
+  plan uses them as below; each silo's rate is ``batch-size`` over its size.
+
+With the counts (reported, or the worst-case row):
 
 - ``higradavg-dp`` and ``user-ldp`` (per-step subject sensitivity ``C`` and ``2C``
   with the noise scaled to it, see :mod:`flwr_jdp.training.subject_level`): each
@@ -24,15 +41,17 @@ Computed once, by the server, before training, from the subject-to-silo counts:
 
 With ``sampling = subjects`` (HiGradAvgDP) each silo samples its subjects at
 ``q_i = batch-size / u_i`` (``u_i`` subjects at silo ``i``; ``batch-size`` is then the
-expected number of subjects per batch), and every subject present at a silo is
-included at ``q_i`` whatever its count (:class:`~flwr_jdp.privacy.horizontal.SiloRelease`).
+expected number of subjects per batch; the public ``sample-rate`` in the public-cap
+mode), and every subject present at a silo is included at ``q_i`` whatever its count
+(:class:`~flwr_jdp.privacy.horizontal.SiloRelease`).
 
 Per-silo record-level epsilon is increasing in the sampling rate (sampling at
 ``q' < q`` is sampling at ``q'/q`` of the rate-``q`` sample, post-processing), so
 calibrating to the largest rate covers every silo.
 
 The plan's epsilons: ``epsilon`` is the exact subject-level epsilon of what is
-actually run (max over subjects, subject inclusion rates, PLD) for the methods
+actually run (max over subjects, subject inclusion rates, PLD; in the public-cap
+mode the worst-case subject's, an upper bound for every subject) for the methods
 that have one, ``epsilon_sfold`` the s-fold bound, ``epsilon_claimed`` what the
 accounting mode claims.
 """
@@ -76,8 +95,19 @@ def releases(rates: tuple[float, ...], z: float, steps: int, sampling: str = "re
     return [SiloRelease(q, z, steps, sampling=sampling) for q in rates]
 
 
-def silo_rates(cfg: SubjectDPConfig, counts: np.ndarray) -> tuple[float, ...]:
-    """Each silo's Poisson rate: of records (``sampling = records``) or of subjects."""
+def worst_case_counts(cfg: SubjectDPConfig) -> np.ndarray:
+    """The one count row the public-cap mode plans and accounts for: ``K`` records
+    at every one of the ``num-silos`` silos (shape ``(1, s)``)."""
+    if not cfg.public_cap:
+        raise ValueError("worst_case_counts needs max-records-per-subject > 0")
+    return np.full((1, cfg.num_silos), cfg.max_records_per_subject, dtype=np.int64)
+
+
+def silo_rates(cfg: SubjectDPConfig, counts: np.ndarray | None = None) -> tuple[float, ...]:
+    """Each silo's Poisson rate: of records (``sampling = records``) or of subjects;
+    the public ``sample-rate`` at every silo in the public-cap mode."""
+    if cfg.public_cap:
+        return (float(cfg.sample_rate),) * cfg.num_silos
     if cfg.sampling == "subjects":
         return sample_rates((counts > 0).sum(axis=0), cfg.batch_size)
     return sample_rates(counts.sum(axis=0), cfg.batch_size)
@@ -90,8 +120,24 @@ def accounting_counts(cfg: SubjectDPConfig, counts: np.ndarray) -> np.ndarray:
     return (counts > 0).astype(np.int64) if cfg.sampling == "subjects" else counts
 
 
-def make_plan(cfg: SubjectDPConfig, counts: np.ndarray, accountant: str = "pld") -> SubjectPlan:
-    """Calibrate (or take) the noise and fix the rounds for ``cfg`` on ``counts``."""
+def planning_counts(cfg: SubjectDPConfig, counts: np.ndarray | None) -> np.ndarray:
+    """The counts a plan is made on: the worst-case row in the public-cap mode (then
+    ``counts`` must be None: no reported count may enter it), else the reported ones."""
+    if cfg.public_cap:
+        if counts is not None:
+            raise ValueError("max-records-per-subject > 0 plans for the worst-case subject; reported counts "
+                             "are for max-records-per-subject = 0")
+        return worst_case_counts(cfg)
+    if counts is None:
+        raise ValueError("max-records-per-subject = 0 (reported counts) needs the subject-to-silo counts")
+    return np.asarray(counts)
+
+
+def make_plan(cfg: SubjectDPConfig, counts: np.ndarray | None = None, accountant: str = "pld") -> SubjectPlan:
+    """Calibrate (or take) the noise and fix the rounds for ``cfg``: on the reported
+    ``counts`` (``max-records-per-subject = 0``), or on the worst-case subject in the
+    public-cap mode (``counts`` None)."""
+    counts = planning_counts(cfg, counts)
     s = counts.shape[1]
     rates = silo_rates(cfg, counts)
     R, steps = cfg.budget_rounds, cfg.local_steps

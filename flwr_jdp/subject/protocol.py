@@ -1,5 +1,5 @@
 """Message keys of subject-level DP (server: :class:`flwr_jdp.strategies.SubjectLevelFedAvg`,
-ClientApp: :mod:`flwr_jdp.apps.subject_dp_app`), and the model <-> arrays helpers both use."""
+ClientApp: :mod:`flwr_jdp.subject.app`), and the model <-> arrays helpers both use."""
 
 import numpy as np
 import torch

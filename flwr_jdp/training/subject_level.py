@@ -1,7 +1,10 @@
 """One silo's local training round under each subject-level mechanism.
 
-Records are Poisson-sampled at rate ``q`` (expected batch ``B = q n``, a public
-denominator; or subjects, see *Sampling* below). Per step, with ``C`` the clipping norm and ``z`` the noise
+Records are Poisson-sampled at rate ``q`` (expected batch ``B = q n``; or subjects,
+see *Sampling* below). The noisy sum is divided by ``B``, which must be public for the
+division to be post-processing: ``SiloPlan.normaliser`` (the run's public
+``batch-size`` in the public-cap mode, where ``q`` is public too); ``q n`` with the
+silo's own size ``n`` is data-dependent and kept only for the reported-counts mode. Per step, with ``C`` the clipping norm and ``z`` the noise
 multiplier (always relative to the per-step sensitivity stated below):
 
 ============== ================================================ ======================
@@ -104,6 +107,9 @@ class SiloPlan:
     records_per_subject: int = 1
     #: LocalGroupDP with a fixed public group size ``G`` (0: the paper's data-dependent ``Z``)
     group_size: int = 0
+    #: the public divisor of the noisy sum (expected batch size); 0: ``sample_rate`` times
+    #: this silo's records (subjects), data-dependent (reported-counts mode only)
+    normaliser: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -120,6 +126,8 @@ class SiloPlan:
             raise ValueError("sampling = subjects is for higradavg-dp only")
         if self.records_per_subject < 0:
             raise ValueError(f"records_per_subject must be >= 0, got {self.records_per_subject}")
+        if not (self.normaliser >= 0 and np.isfinite(self.normaliser)):
+            raise ValueError(f"normaliser must be >= 0 and finite, got {self.normaliser}")
 
 
 @dataclass
@@ -215,8 +223,10 @@ def train_silo_round(model: nn.Module, data: SiloData, plan: SiloPlan, generator
     stats = stats if stats is not None else BatchStats()
     n = len(data)
     by_subjects = plan.sampling == "subjects"
-    units = int(torch.unique(data.subject).numel()) if by_subjects else n
-    expected = plan.sample_rate * units  # public: fixed by the plan and the silo's size
+    if plan.normaliser > 0:
+        expected = float(plan.normaliser)  # public (the run's batch-size)
+    else:  # reported-counts mode: the silo's size, data-dependent
+        expected = plan.sample_rate * (int(torch.unique(data.subject).numel()) if by_subjects else n)
     net = GradSampleModule(model, loss_reduction="sum") if plan.method in PER_SAMPLE else model
     params = [p for p in net.parameters() if p.requires_grad]
     net.train()

@@ -4,7 +4,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from flwr_jdp.mtl.client import MTLClient
+from flwr_jdp.client import MTLClient
 from quickstart.task import Net, load_data
 from quickstart.task import test as test_fn
 from quickstart.task import train as train_fn

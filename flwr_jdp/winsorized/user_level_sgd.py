@@ -5,7 +5,7 @@ Each step is one query: every user computes its *average* gradient over its own
 answers the query; the model takes a gradient step with the answer. Two
 estimators:
 
-- ``winsorized``: :class:`flwr_jdp.privacy.winsorized.WinsorizedMean` (private
+- ``winsorized``: :class:`flwr_jdp.winsorized.estimator.WinsorizedMean` (private
   range, winsorize, Gaussian noise, randomized rotation): its noise scales with
   the concentration radius ``tau`` of the users' average gradients, which shrinks
   like ``1/sqrt(m)``;
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import dp_accounting as dpa
 import numpy as np
 
-from flwr_jdp.mtl.models import LinearModel
+from flwr_jdp.models.linear import LinearModel
 from flwr_jdp.privacy import events as ev
-from flwr_jdp.privacy.winsorized import WinsorizedMean, clipped_gaussian_mean
+from flwr_jdp.winsorized.estimator import WinsorizedMean, clipped_gaussian_mean
 
 
 @dataclass(frozen=True)

@@ -7,27 +7,35 @@ Keys are the Flower run-config keys of ``pyproject.toml`` (``[tool.flwr.app.conf
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .config_check import ConfigError, coerce, config_key, key_prefix, namespace, parse_dataclass
-from .config_check import need as require
-from .data.datasets import DATASETS
-from .data.partition import VALIDATION_SOURCES
-from .privacy.backends import ACCOUNTANTS, RELATIONS
-from .privacy.units import NoisePlacement, PrivacyUnit
+from flwr_jdp.config_check import (  # noqa: F401 - re-exported
+    IGNORED_KEYS,
+    ConfigError,
+    coerce,
+    config_digest,
+    config_key,
+    key_prefix,
+    namespace,
+    parse_dataclass,
+    run_folder,
+)
+from flwr_jdp.config_check import need as require
+from flwr_jdp.data.datasets import DATASETS
+from flwr_jdp.data.partition import VALIDATION_SOURCES
+from flwr_jdp.privacy.backends import ACCOUNTANTS, RELATIONS
+from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 
 METHODS = ("joint-dp", "full-dp", "fedavg", "per-silo")
 #: How personal parameters relate to the shared release (see
-#: :mod:`flwr_jdp.training.owner_round`): ``decoupled`` (record/user-level DP
+#: :mod:`flwr_jdp.joint_dp.owner_round`): ``decoupled`` (record/user-level DP
 #: holds) or ``interleaved`` (the joint-DP paper's Algorithm 1; not covered).
 COUPLINGS = ("decoupled", "interleaved")
 #: The public values a decoupled release holds the personal parameters at (see
-#: :func:`flwr_jdp.apps.owner_state.public_personal`): ``seeded`` (the seeded
+#: :func:`flwr_jdp.joint_dp.owner_state.public_personal`): ``seeded`` (the seeded
 #: initialisation) or ``zero-head`` (personal parameters of the model's head at zero,
 #: so the release trains the shared layers without a fixed random head beside them).
 RELEASE_PERSONAL = ("seeded", "zero-head")
@@ -41,16 +49,6 @@ FINETUNE_LEARNING_RATE = 0.05
 
 #: Largest allowed ``augment-shift`` (pixels of random translation).
 MAX_AUGMENT_SHIFT = 8
-
-#: Run-config keys that do not change what a run computes (left out of
-#: :func:`config_digest`): ``resume`` only says whether to continue a checkpoint.
-IGNORED_KEYS = ("resume",)
-
-
-def config_digest(config: dict[str, Any]) -> str:
-    """Digest of the configuration a checkpoint belongs to."""
-    relevant = {k: v for k, v in sorted(config.items()) if k not in IGNORED_KEYS}
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -308,15 +306,6 @@ NAMESPACE = "jdp"
 DROPIN_DEFAULTS: dict[str, Any] = {"num-owners": 0, "num-rounds": 3, "local-epochs": 1,
                                    "batch-size": 32, "learning-rate": 0.1, "results-dir": ""}
 
-
-def run_folder(results_dir: str, session: str) -> str:
-    """Where a run writes: ``results-dir``, or (empty) a new folder of its own,
-    ``results/<UTC date-time>-<session>``."""
-    if results_dir:
-        return results_dir
-    import time
-
-    return f"results/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{session[:6]}"
 
 
 def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig:

@@ -25,7 +25,7 @@ from flwr_jdp.altmin.config import parse_altmin_config
 from flwr_jdp.altmin.problem import ProblemSpec, Users, node_blocks, users_of_blocks
 from flwr_jdp.altmin.protocol import CONFIG, EMBEDDING, METRICS, STATS
 from flwr_jdp.altmin.statistics import init_statistic
-from flwr_jdp.config import ConfigError
+from flwr_jdp.config_check import ConfigError
 
 server = ServerApp()
 client = ClientApp()
@@ -39,7 +39,7 @@ def main(grid: Grid, context: Context) -> None:
     except ConfigError as err:
         log(ERROR, "Invalid configuration: %s", err)
         raise
-    from flwr_jdp.strategies import PrivAltMin  # the server side only
+    from flwr_jdp.altmin.strategy import PrivAltMin  # the server side only
 
     PrivAltMin(spec, cfg, extras["results-dir"], extras["noise-seed"]).start(grid)
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import dp_accounting as dpa
 import numpy as np
 
-from . import events as ev
-from .mechanisms import GaussianSumMechanism, LaplaceSumMechanism
+from flwr_jdp.privacy import events as ev
+from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, LaplaceSumMechanism
 
 #: Winsorization radius in units of the concentration radius tau (see above).
 RADIUS_FACTOR = 2.5

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 
-from flwr_jdp import protocol
+from flwr_jdp.joint_dp import protocol
 from flwr_jdp.privacy.mechanisms import global_norm_numpy
+from flwr_jdp.records import ArraySpec, spec_of  # noqa: F401 - re-exported
 
 #: Relative slack on the clipping norm check (float32 rounding). An update within
 #: it is accepted and re-clipped to exactly the clipping norm by the server before
@@ -38,13 +39,6 @@ NORM_SLACK = 1e-3
 #: :func:`max_sampled_units` (per owner and round).
 SAMPLE_TAIL = 1e-9
 
-
-@dataclass(frozen=True)
-class ArraySpec:
-    """Expected shape and dtype of one shared parameter."""
-
-    shape: tuple[int, ...]
-    dtype: str
 
 
 @dataclass
@@ -60,10 +54,6 @@ class ValidReplies:
     dropped: dict[int, str] = field(default_factory=dict)
     zeroed: dict[int, str] = field(default_factory=dict)
 
-
-def spec_of(record: ArrayRecord) -> dict[str, ArraySpec]:
-    """Spec of every array in ``record`` (the global shared parameters)."""
-    return {k: ArraySpec(tuple(a.shape), str(a.dtype)) for k, a in record.items()}
 
 
 def check_arrays(record: object, spec: dict[str, ArraySpec], max_norm: float | None) -> str | None:

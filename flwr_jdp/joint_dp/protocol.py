@@ -15,6 +15,8 @@ number of DP-SGD steps the server accounts for, plus the noise multiplier.
 
 from __future__ import annotations
 
+from flwr_jdp.records import hosted_owners, to_record  # noqa: F401 - re-exported
+
 SHARED = "arrays"  # Flower's standard key: the global shared parameters
 CONFIG = "config"
 SETUP = "setup"
@@ -72,18 +74,3 @@ def parse_owner_key(key: str, prefix: str = "owner") -> int | None:
     if head != prefix or not rest.isdigit():
         return None
     return int(rest)
-
-
-def hosted_owners(num_owners: int, partition_id: int, num_partitions: int) -> list[int]:
-    """Owners hosted by the node with ``partition_id`` out of ``num_partitions``."""
-    return [o for o in range(num_owners) if o % num_partitions == partition_id]
-
-
-def to_record(named: dict):
-    """An ArrayRecord of named numpy arrays (key order preserved)."""
-    import numpy as np
-    from flwr.app import Array, ArrayRecord
-
-    if not named:
-        return ArrayRecord()
-    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in named.items()})

@@ -5,7 +5,7 @@ Flower strategy wrapper (cf. Flower's ``DifferentialPrivacyServerSideFixedClippi
 Privacy guarantee: each round's aggregate update is user-level DP where the user
 is one client (its update is the client's "average"; replace-one neighbouring
 with the number of sampled clients ``n`` public). A round costs the estimator's
-two releases (:meth:`flwr_jdp.privacy.winsorized.WinsorizedMean.events`): the
+two releases (:meth:`flwr_jdp.winsorized.estimator.WinsorizedMean.events`): the
 noisy per-coordinate histogram that locates the centre (L2 sensitivity
 ``sqrt(2 d')``) and the winsorized mean (L2 sensitivity ``2 r sqrt(d') / n``, with
 ``r = 2.5 tau_inf``). Both are charged to the ledger's ``server`` scope before
@@ -38,11 +38,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import Strategy
 
+from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
-from flwr_jdp.privacy.winsorized import WinsorizedMean
-
-from .accounted import AccountedStrategy
+from flwr_jdp.winsorized.estimator import WinsorizedMean
 
 
 class DifferentialPrivacyWinsorizedMean(AccountedStrategy):

@@ -13,7 +13,7 @@ accept from what it knows itself, before any data is touched:
   is then the smaller of that and the run's ``target-epsilon``).
 
 From these it computes the schedule the server must follow (:class:`AgreedRelease`,
-the same formula as :func:`flwr_jdp.privacy.schedule.build_schedule`) and refuses,
+the same formula as :func:`flwr_jdp.joint_dp.schedule.build_schedule`) and refuses,
 before training, an instruction that is missing a key, asks for a larger sampling
 rate or more steps than that schedule, or brings less noise than agreed: a fixed
 ``noise-multiplier`` must be met, and a calibrated one must keep ``rounds`` agreed
@@ -39,12 +39,12 @@ from typing import Any
 
 import dp_accounting as dpa
 
-from ..config import JobConfig
-from . import events as ev
-from .accountants import epsilon
-from .ledger import PrivacyLedger
-from .schedule import OwnerSize, build_schedule
-from .units import NoisePlacement, PrivacyUnit
+from flwr_jdp.joint_dp.config import JobConfig
+from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
+from flwr_jdp.privacy import events as ev
+from flwr_jdp.privacy.accountants import epsilon
+from flwr_jdp.privacy.ledger import PrivacyLedger
+from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 
 #: Relative slack on the comparisons with the agreed schedule (float rounding
 #: between the server's computation and the owner's, which use the same formula).

@@ -6,22 +6,33 @@ of everything the server and other silos see, the unit being one data subject wi
 all its records at every silo (add/remove). Each silo noises its own model updates
 (local DP, honest-but-curious server); the server averages the silos' models
 (``theta = mean_i theta_i``, post-processing). The ledger (unit ``subject``) holds
-one scope per Pareto-maximal subject of the subject-to-silo map, charged each round
-*before* the silos train with the composition of that subject's events at every
-silo that holds it; its epsilon is the exact maximum over subjects.
+one scope per Pareto-maximal subject of the subject-to-silo map (the worst-case
+subject alone under the public cap), charged each round *before* the silos train
+with the composition of that subject's events at every silo that holds it; its
+epsilon is the exact maximum over subjects.
 ``local-item-dp`` records one scope per silo (record unit: silos hold disjoint
 records); ``local-group-dp`` carries the paper's claimed budget only (its noise is
 data-dependent, see :mod:`flwr_jdp.subject.group_privacy`), unless it runs with a fixed
 ``group-size`` ``G`` (sensitivity ``G C``), which is accounted as ``higradavg-dp``. The plan (noise,
 rounds) is fixed before round 1 (:func:`flwr_jdp.subject.plan.make_plan`).
 
-Metadata not covered by the guarantee: each silo's per-subject record counts (sent
-once for exact accounting; a deployment without a shared subject id space uses
-``accounting = scaled-steps``, which needs only each silo's largest count), and
-batch statistics (group size ``Z`` and distinct subjects per batch) reported for
-the paper's Figure 2.
+Set-up, two modes (:mod:`flwr_jdp.subject.plan`):
 
-Rounds: ``query`` once (each node lists its silos and their counts), then per round
+- **public cap** (``max-records-per-subject = K > 0``, the default): each silo keeps at
+  most ``K`` records of each subject and samples at the public ``sample-rate``; the
+  set-up reply lists only the silo indices a node hosts (node configuration), no
+  subject id or count. The plan and the ledger (one scope, ``subject/worst-case``) are
+  those of the worst-case subject, ``K`` records at every silo: conservative and
+  data-independent. The server receives nothing but each silo's DP model.
+- **reported counts** (``max-records-per-subject = 0``; the paper's reproduction): each
+  silo sends its subject ids and per-subject record counts once, and the rates are
+  ``batch-size`` over each silo's size. This metadata is not covered by the guarantee.
+
+Batch statistics (group size ``Z`` and distinct subjects per batch) are sent only
+with ``report-batch-stats = true`` (the paper's Figure 2; not DP).
+
+Rounds: ``query`` once (each node lists its silos, and their counts in the
+reported-counts mode), then per round
 ``train`` with the global model and the plan; a reply with missing silos, wrong
 shapes or non-finite values is dropped with a logged reason (that silo is absent
 from the average). The ledger is written as soon as a round is charged, model and
@@ -50,11 +61,14 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 
+from flwr_jdp.accounted import AccountedStrategy
+from flwr_jdp.checkpoint import Checkpoint
+from flwr_jdp.node_query import query_nodes
 from flwr_jdp.privacy.events import dp_sgd
 from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.subject.config import SubjectDPConfig
-from flwr_jdp.subject.plan import SubjectPlan, accounting_counts, make_plan
+from flwr_jdp.subject.plan import SubjectPlan, accounting_counts, make_plan, worst_case_counts
 from flwr_jdp.subject.protocol import (  # noqa: E402,F401 - the keys, re-exported
     CONFIG,
     MODEL,
@@ -65,10 +79,6 @@ from flwr_jdp.subject.protocol import (  # noqa: E402,F401 - the keys, re-export
     model_arrays,
     silo_key,
 )
-
-from .accounted import AccountedStrategy
-from .checkpoint import Checkpoint
-from .node_query import query_nodes
 
 
 class SubjectLevelFedAvg(AccountedStrategy):
@@ -98,8 +108,10 @@ class SubjectLevelFedAvg(AccountedStrategy):
 
     # ------------------------------------------------------------------ setup
     def discover(self, grid: Grid, timeout: float = 600.0) -> np.ndarray:
-        """Ask nodes for their silos and per-subject counts until all silos report."""
-        s = self.cfg.num_silos
+        """Ask nodes for their silos until all silos report: the subject-to-silo counts
+        they report (reported-counts mode), or the worst-case row ``[K] * s`` (public
+        cap: no count is read, and the nodes send none)."""
+        s, reported = self.cfg.num_silos, not self.cfg.public_cap
         per_silo: dict[int, dict[int, int]] = {}
 
         def handle(reply: Message) -> None:
@@ -108,13 +120,15 @@ class SubjectLevelFedAvg(AccountedStrategy):
                 return
             silos = [int(i) for i in reply.content[SETUP].get(SILOS, [])]
             bad = [i for i in silos if not 0 <= i < s or i in per_silo]
-            if bad or any(silo_key(i) not in reply.content.array_records for i in silos):
+            if bad or (reported and any(silo_key(i) not in reply.content.array_records for i in silos)):
                 self._drop(reply, f"silos {silos[:5]} out of range, hosted twice or without counts")
                 return
             for i in silos:
-                rec = reply.content.array_records[silo_key(i)]
-                subj, cnt = rec["subjects"].numpy(), rec["counts"].numpy()
-                per_silo[i] = {int(a): int(c) for a, c in zip(subj, cnt, strict=True) if c > 0}
+                per_silo[i] = {}
+                if reported:
+                    rec = reply.content.array_records[silo_key(i)]
+                    subj, cnt = rec["subjects"].numpy(), rec["counts"].numpy()
+                    per_silo[i] = {int(a): int(c) for a, c in zip(subj, cnt, strict=True) if c > 0}
             self.node_silos[reply.metadata.src_node_id] = silos
 
         _, silent = query_nodes(
@@ -125,6 +139,8 @@ class SubjectLevelFedAvg(AccountedStrategy):
         if len(per_silo) < s:
             raise RuntimeError(f"only {len(per_silo)} of {s} silos reported within {timeout:.0f} s"
                                + (f"; nodes {silent[:10]} never answered" if silent else ""))
+        if not reported:
+            return worst_case_counts(self.cfg)
         num_subjects = 1 + max(a for d in per_silo.values() for a in d)
         counts = np.zeros((num_subjects, s), dtype=np.int64)
         for i, d in per_silo.items():
@@ -144,6 +160,8 @@ class SubjectLevelFedAvg(AccountedStrategy):
         rel = [SiloRelease(q, plan.noise_multiplier, cfg.local_steps, sampling=cfg.sampling)
                for q in plan.sample_rates]
         acc = HorizontalAccountant(accounting_counts(cfg, self.counts), cfg.delta, self.accountant)
+        if cfg.public_cap:  # the one worst-case subject: K records at every silo
+            return {"subject/worst-case": acc.subject_event(acc.counts[0], rel, 1)}
         return {f"subject/{a}": acc.subject_event(acc.counts[a], rel, 1) for a in acc.candidates}
 
     # ----------------------------------------------------------------- rounds
@@ -192,8 +210,8 @@ class SubjectLevelFedAvg(AccountedStrategy):
     # ---------------------------------------- the accounted loop's hooks
     def prepare(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
                 timeout: float) -> tuple[ArrayRecord, range]:
-        """Discover the silos and their per-subject counts, plan z and the rates,
-        resume. ``initial_arrays`` (the model's state dict) replaces the model's
+        """Discover the silos (and their per-subject counts in the reported-counts
+        mode), plan z and the rates, resume. ``initial_arrays`` (the model's state dict) replaces the model's
         initial values; the plan sets the number of rounds, so ``num_rounds``, if
         given, must equal it."""
         cfg = self.cfg
@@ -201,9 +219,11 @@ class SubjectLevelFedAvg(AccountedStrategy):
             load_arrays(self.model, {k: v.numpy() for k, v in initial_arrays.items()})
         self.counts = self.discover(grid, min(timeout, 600.0))
         t0 = time.time()
-        self.plan = make_plan(cfg, self.counts, self.accountant)
-        log(INFO, "Plan (%s, %s accounting, inclusion %s, sampling %s): z = %.4f, %d rounds, exact epsilon "
-            "%.4g, s-fold bound %.4g, claimed %.4g (%.0f s)", cfg.method, cfg.accounting, cfg.inclusion, cfg.sampling,
+        self.plan = make_plan(cfg, None if cfg.public_cap else self.counts, self.accountant)
+        log(INFO, "Plan (%s, %s, %s accounting, inclusion %s, sampling %s): z = %.4f, %d rounds, exact epsilon "
+            "%.4g, s-fold bound %.4g, claimed %.4g (%.0f s)", cfg.method,
+            f"public cap of {cfg.max_records_per_subject} records per subject and silo" if cfg.public_cap
+            else "reported counts (not DP)", cfg.accounting, cfg.inclusion, cfg.sampling,
             self.plan.noise_multiplier, self.plan.rounds, self.plan.epsilon, self.plan.epsilon_sfold,
             self.plan.epsilon_claimed, time.time() - t0)
         if num_rounds is not None and num_rounds != self.plan.rounds:
@@ -300,7 +320,8 @@ class SubjectLevelFedAvg(AccountedStrategy):
     def summary(self, ledger: PrivacyLedger, status: str) -> dict:
         last = self.history[-1] if self.history else {}
         return {"status": status, "method": self.cfg.method, "accounting": self.cfg.accounting,
-                "inclusion": self.cfg.inclusion, "alpha": self.cfg.alpha, "plan": self.plan.to_dict(),
+                "inclusion": self.cfg.inclusion, "alpha": self.cfg.alpha,
+                "max_records_per_subject": self.cfg.max_records_per_subject, "plan": self.plan.to_dict(),
                 "ledger_epsilon": ledger.epsilon() if ledger.scopes else None,
                 "acc_final": last.get("accuracy"), "dropped": self.dropped,
                 "batch_stats": self.batch_stats, "silo_counts_max": self.counts.max(axis=0).tolist()}

@@ -19,7 +19,7 @@ so a round whose replies are dropped or skipped is still charged, and so is a ro
 interrupted by a crash (its re-run after a restart is charged again). If the next
 round would exceed the budget, training stops cleanly, keeping the last model and
 the ledger on disk. Under local noise the owners also check each instruction and
-keep their own ledgers (:mod:`flwr_jdp.privacy.owner_guard`).
+keep their own ledgers (:mod:`flwr_jdp.joint_dp.owner_guard`).
 """
 
 from __future__ import annotations
@@ -43,21 +43,20 @@ from flwr.serverapp.strategy import FedAvg, FedAvgM, Result, Strategy
 from flwr.serverapp.strategy.fedopt import FedOpt
 from torch import nn
 
-from flwr_jdp import protocol
-from flwr_jdp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config, run_folder
+from flwr_jdp.accounted import AccountedStrategy
+from flwr_jdp.checkpoint import Checkpoint
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config, run_folder
+from flwr_jdp.joint_dp.iterate_average import SharedParameterEMA
+from flwr_jdp.joint_dp.owner_round import release_kind
+from flwr_jdp.joint_dp.schedule import OwnerSize, Schedule, build_schedule, calibrate_schedule, units_of
+from flwr_jdp.joint_dp.validation import NORM_SLACK, ArraySpec, max_sampled_units, spec_of, validate_replies
 from flwr_jdp.models import build_model
+from flwr_jdp.node_query import query_nodes
 from flwr_jdp.params import get_arrays, split_names, split_parameters
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, numpy_rng, reclipped_sum
-from flwr_jdp.privacy.schedule import OwnerSize, Schedule, build_schedule, calibrate_schedule, units_of
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
-from flwr_jdp.training.owner_round import release_kind
-
-from .accounted import AccountedStrategy
-from .checkpoint import Checkpoint
-from .iterate_average import SharedParameterEMA
-from .node_query import query_nodes
-from .validation import NORM_SLACK, ArraySpec, max_sampled_units, spec_of, validate_replies
 
 ModelFn = Callable[[tuple[int, ...], int], nn.Module]
 
@@ -68,7 +67,7 @@ class JointDP(AccountedStrategy):
     Parameters
     ----------
     cfg : JobConfig
-        The validated run configuration (:func:`flwr_jdp.config.parse_config`).
+        The validated run configuration (:func:`flwr_jdp.joint_dp.config.parse_config`).
     model_fn : callable, optional
         The project's own app only: ``(image_shape, num_classes) -> nn.Module``,
         default the seed CNN. A drop-in app does not need it: the model is the
@@ -419,7 +418,7 @@ class JointDP(AccountedStrategy):
         noise is added (:func:`~flwr_jdp.privacy.mechanisms.reclipped_sum`):
         owner unit, each clipped update to exactly ``C`` (the sensitivity the noise
         is for); record/user unit, each sum of clipped per-unit gradients to ``C``
-        times :func:`~flwr_jdp.strategies.validation.max_sampled_units` of the
+        times :func:`~flwr_jdp.joint_dp.validation.max_sampled_units` of the
         owner (a public bound an honest sum exceeds with probability <= 1e-9).
         Re-clipping is non-expansive, so one unit still moves the noised sum by at
         most ``C``; the bound only limits what one owner's reply can do to the model.

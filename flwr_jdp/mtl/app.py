@@ -20,11 +20,11 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from flwr_jdp.config import ConfigError
+from flwr_jdp.config_check import ConfigError
 from flwr_jdp.mtl.algorithm import evaluate_task, task_round
 from flwr_jdp.mtl.config import parse_mtl_config
 from flwr_jdp.mtl.protocol import CONFIG, MEAN, METRICS, MODELS, SETUP, TASKS, task_key
-from flwr_jdp.protocol import hosted_owners
+from flwr_jdp.records import hosted_owners
 
 server = ServerApp()
 client = ClientApp()
@@ -40,7 +40,7 @@ def main(grid: Grid, context: Context) -> None:
     except (ConfigError, FileNotFoundError) as err:
         log(ERROR, "Invalid configuration: %s", err)
         raise
-    from flwr_jdp.strategies import DPMeanRegularizedMTL  # the server side only
+    from flwr_jdp.mtl.strategy import DPMeanRegularizedMTL  # the server side only
 
     strategy = DPMeanRegularizedMTL(source.num_tasks, num_params, cfg, extras["results-dir"],
                                     extras["noise-seed"], dict(context.run_config),

@@ -52,14 +52,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import protocol
-from ..config import JobConfig
-from ..data.partition import OwnerData
-from ..params import ParamSplit, get_arrays, set_arrays
-from ..privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
-from ..privacy.units import NoisePlacement, PrivacyUnit
-from .dp_sgd import clipped_gradient_sum, train_dp_sgd
-from .plain import train_plain
+from flwr_jdp.data.partition import OwnerData
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import JobConfig
+from flwr_jdp.params import ParamSplit, get_arrays, set_arrays
+from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
+from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
+from flwr_jdp.training.dp_sgd import clipped_gradient_sum, train_dp_sgd
+from flwr_jdp.training.plain import train_plain
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,10 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from flwr_jdp.config import parse_config
+from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.owner_state import num_classes, owner_data, owner_generator
 from flwr_jdp.models import build_model
 from flwr_jdp.training import evaluate, train_plain
-
-from .owner_state import num_classes, owner_data, owner_generator
 
 client = ClientApp()
 server = ServerApp()

@@ -10,7 +10,7 @@ Under the decoupled coupling (joint-DP, record or user unit; the default) the
 release is computed with the personal parameters at their public initial values,
 and the owner's personal parameters are fitted on the broadcast shared parameters
 once per broadcast (at evaluation or at the next round, whichever comes first); see
-:mod:`flwr_jdp.training.owner_round`.
+:mod:`flwr_jdp.joint_dp.owner_round`.
 """
 
 from __future__ import annotations
@@ -23,15 +23,10 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
 
-from flwr_jdp import protocol
-from flwr_jdp.owner_store import charge_owners, read_instructions
-from flwr_jdp.privacy.owner_guard import InstructionRefused
-from flwr_jdp.privacy.schedule import OwnerSize
-from flwr_jdp.privacy.units import PrivacyUnit
-from flwr_jdp.training import OwnerPlan, adapted_model, evaluate, fit_personal, train_owner_round
-from flwr_jdp.training.dp_sgd import preload_opacus
-
-from .owner_state import (
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.owner_guard import InstructionRefused
+from flwr_jdp.joint_dp.owner_round import OwnerPlan, adapted_model, fit_personal, train_owner_round
+from flwr_jdp.joint_dp.owner_state import (
     load_owner_model,
     my_owners,
     node_job_config,
@@ -45,6 +40,11 @@ from .owner_state import (
     shared_digest,
     trained_rounds,
 )
+from flwr_jdp.joint_dp.owner_store import charge_owners, read_instructions
+from flwr_jdp.joint_dp.schedule import OwnerSize
+from flwr_jdp.privacy.units import PrivacyUnit
+from flwr_jdp.training import evaluate
+from flwr_jdp.training.dp_sgd import preload_opacus
 
 #: Offset of the adaptation's randomness stream from the rounds' streams (training uses
 #: round r, fitting personal layers at evaluation -r), so no stream is reused.
@@ -85,7 +85,7 @@ def train(msg: Message, context: Context) -> Message:
     """Train every requested owner hosted here; reply with shared releases only.
 
     Under local noise each owner first checks the instruction and charges its own
-    ledger (:mod:`flwr_jdp.privacy.owner_guard`); a refused instruction gets an
+    ledger (:mod:`flwr_jdp.joint_dp.owner_guard`); a refused instruction gets an
     error reply that names the reason, and nothing is trained or released."""
     torch.set_num_threads(1)
     cfg = node_job_config(context)

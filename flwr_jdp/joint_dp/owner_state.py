@@ -22,12 +22,11 @@ import numpy as np
 from flwr.app import Context
 from torch import nn
 
-from flwr_jdp import protocol
-from flwr_jdp.config import JobConfig, parse_config
 from flwr_jdp.data.datasets import load_dataset
 from flwr_jdp.data.partition import OwnerData, load_partitions
-from flwr_jdp.models import build_model
-from flwr_jdp.owner_store import (  # noqa: F401 - re-exported for the apps
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import JobConfig, parse_config
+from flwr_jdp.joint_dp.owner_store import (  # noqa: F401 - re-exported for the apps
     SharedArrays,
     _restore_from_disk,
     load_owner_ledger,
@@ -40,6 +39,7 @@ from flwr_jdp.owner_store import (  # noqa: F401 - re-exported for the apps
     shared_digest,
     trained_rounds,
 )
+from flwr_jdp.models import build_model
 from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
 
 

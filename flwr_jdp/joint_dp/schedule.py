@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import dp_accounting as dpa
 
-from ..config import JobConfig
-from . import events as ev
-from .accountants import epsilon
-from .calibration import calibrate
-from .ledger import SERVER_SCOPE, owner_scope
-from .units import NoisePlacement, PrivacyUnit
+from flwr_jdp.joint_dp.config import JobConfig
+from flwr_jdp.privacy import events as ev
+from flwr_jdp.privacy.accountants import epsilon
+from flwr_jdp.privacy.calibration import calibrate
+from flwr_jdp.privacy.ledger import SERVER_SCOPE, owner_scope
+from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 
 
 @dataclass(frozen=True)

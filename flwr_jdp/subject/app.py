@@ -3,7 +3,8 @@
 A SuperNode with ``partition-id = p`` of ``num-partitions = P`` hosts silos
 ``p, p + P, ...`` (FEMNIST writers or Shakespeare characters as subjects, by the
 ``dataset`` key, spread over ``num-silos`` silos by ``alpha``; data built once per
-process). Each silo trains the received model with
+process; in the default public-cap mode each silo keeps at most
+``max-records-per-subject`` records of each subject). Each silo trains the received model with
 the configured mechanism (:mod:`flwr_jdp.training.subject_level`) and replies with
 its noised model. Run with ``flwr run examples/subject_dp`` or
 ``examples/subject_dp/femnist.py`` (the same apps on an in-process grid).
@@ -20,9 +21,9 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from flwr_jdp.config import ConfigError
+from flwr_jdp.config_check import ConfigError
 from flwr_jdp.privacy.mechanisms import torch_generator
-from flwr_jdp.protocol import hosted_owners
+from flwr_jdp.records import hosted_owners
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import parse_subject_config
 from flwr_jdp.subject.group_privacy import group_noise_multiplier
@@ -58,7 +59,7 @@ def main(grid: Grid, context: Context) -> None:
         log(ERROR, "Invalid configuration: %s", err)
         raise
     torch.set_num_threads(1)
-    from flwr_jdp.strategies import SubjectLevelFedAvg  # the server side only
+    from flwr_jdp.subject.strategy import SubjectLevelFedAvg  # the server side only
 
     strategy = SubjectLevelFedAvg(cfg, build_subject_model(cfg), test_evaluator(cfg),
                                   dict(context.run_config))
@@ -73,11 +74,13 @@ def _hosted(context: Context, num_silos: int) -> list[int]:
 
 @client.query()
 def setup(msg: Message, context: Context) -> Message:
-    """List this node's silos with their per-subject record counts (accounting metadata)."""
+    """List this node's silos (node configuration, not data). Only in the
+    reported-counts mode (``max-records-per-subject = 0``, not DP) also each silo's
+    subject ids and per-subject record counts; the public-cap mode sends nothing else."""
     cfg = parse_subject_config(context.run_config)
     silos = _hosted(context, cfg.num_silos)
     content = RecordDict({SETUP: ConfigRecord({SILOS: silos})})
-    for i in silos:
+    for i in silos if not cfg.public_cap else ():
         subjects, counts = sd.local_counts(cfg, i)
         content[silo_key(i)] = ArrayRecord({"subjects": Array(subjects), "counts": Array(counts)})
     return Message(content, reply_to=msg)
@@ -105,7 +108,8 @@ def train(msg: Message, context: Context) -> Message:
                         float(conf["noise-multiplier"]),
                         group_noise if cfg.method == "local-group-dp" and not cfg.group_size else None,
                         sampling=cfg.sampling, records_per_subject=cfg.records_per_subject,
-                        group_size=cfg.group_size)
+                        group_size=cfg.group_size,
+                        normaliser=float(cfg.batch_size) if cfg.public_cap else 0.0)  # public divisor
         model = build_subject_model(cfg)
         load_arrays(model, arrays)
         seed = None if cfg.noise_seed < 0 else cfg.noise_seed * 1_000_003 + rnd * 1009 + int(i)

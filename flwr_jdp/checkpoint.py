@@ -16,11 +16,9 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
-from flwr_jdp import protocol
-from flwr_jdp.config import config_digest
+from flwr_jdp.config_check import config_digest
 from flwr_jdp.privacy.ledger import PrivacyLedger
-
-from .validation import ArraySpec
+from flwr_jdp.records import ArraySpec, to_record
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -108,7 +106,7 @@ class Checkpoint:
         res = json.loads(self.results_path.read_text())
         with np.load(self.model_path) as npz:
             arrays = {k: np.asarray(npz[k]) for k in spec}
-        return (protocol.to_record(arrays), PrivacyLedger.load(self.ledger_path), res["history"],
+        return (to_record(arrays), PrivacyLedger.load(self.ledger_path), res["history"],
                 float(res["noise_multiplier"]))
 
     def load_ema(self, spec: dict[str, ArraySpec]) -> tuple[dict[str, np.ndarray], int] | None:

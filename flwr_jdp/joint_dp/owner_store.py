@@ -23,12 +23,18 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 
-from . import protocol
-from .config import JobConfig
-from .privacy.mechanisms import torch_generator
-from .privacy.owner_guard import AgreedRelease, Instruction, InstructionRefused, OwnerLedger, agreed_release
-from .privacy.schedule import OwnerSize
-from .privacy.units import NoisePlacement
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import JobConfig
+from flwr_jdp.joint_dp.owner_guard import (
+    AgreedRelease,
+    Instruction,
+    InstructionRefused,
+    OwnerLedger,
+    agreed_release,
+)
+from flwr_jdp.joint_dp.schedule import OwnerSize
+from flwr_jdp.privacy.mechanisms import torch_generator
+from flwr_jdp.privacy.units import NoisePlacement
 
 
 def personal_key(owner_id: int) -> str:

@@ -12,9 +12,9 @@ from logging import ERROR
 from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
-from flwr_jdp.strategies import JointDP
 
-from flwr_jdp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.strategy import JointDP
 
 app = ServerApp()
 

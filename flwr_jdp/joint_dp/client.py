@@ -1,0 +1,339 @@
+"""The client half of joint DP for a user's own Flower ClientApp.
+
+The user keeps their ClientApp, model class, data loaders, loss, optimizer and
+their ``train`` / ``test`` functions. One line registers flwr-jdp's set-up
+exchange on the app; the train handler hands its model, loader and train function
+to :meth:`JointDPClient.train`; the evaluate handler loads the owner's model with
+:meth:`JointDPClient.load` instead of ``load_state_dict``::
+
+    app = ClientApp()
+    jdp = JointDPClient(app, model_fn=Net, train_data=lambda ctx: load_data(ctx)[0])
+
+    @app.train()
+    def train(msg, context):
+        trainloader, _ = load_data(context)
+        return jdp.train(msg, context, Net(), trainloader,
+                         lambda net, loader: train_fn(net, loader, epochs, lr, device))
+
+    @app.evaluate()
+    def evaluate(msg, context):
+        model = jdp.load(Net(), msg, context)
+        ...  # the app's own test and reply
+
+What :meth:`JointDPClient.train` does for one owner (the node's ``partition-id``),
+under the run config's ``jdp.*`` keys (:func:`flwr_jdp.joint_dp.config.namespaced_config`):
+
+1. Under local noise it checks the server's instruction against what the owner
+   agreed to and charges the owner's own ledger before touching data
+   (:mod:`flwr_jdp.joint_dp.owner_guard`); a refused instruction gets an error
+   reply naming the reason and nothing is trained or sent.
+2. The model gets the broadcast shared parameters and the owner's personal
+   parameters (``context.state``, or the public initial values the server sent at
+   set-up). Personal parameters are those whose names match ``jdp.personal-layers``.
+3. Record or user unit (the decoupled coupling): the personal parameters are fitted
+   on the broadcast by the user's ``train_fn`` on the user's loader with the shared
+   parameters frozen (a function of public DP output and the owner's own data); the
+   release is then computed with the personal parameters at their public values and
+   frozen: ``train_fn`` runs on a Poisson loader at exactly the server's sampling
+   rate and step count, and every optimizer step applies the clipped, noised
+   gradient (:mod:`flwr_jdp.training.user_loop`). Central noise: one Poisson batch's
+   clipped per-unit gradient sum is the release (the server adds the noise).
+4. Owner unit: ``train_fn`` trains every parameter; the release is the shared
+   update clipped to ``C`` (plus ``N(0, (z C)^2)`` under local noise).
+5. The reply carries ``arrays`` (the shared release only; never a personal value)
+   and ``metrics`` (``num-examples``, the public data size). The user's training
+   loss is not sent: it is not covered by the guarantee.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from logging import WARNING
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.common.constant import ErrorCode
+from torch import nn
+from torch.utils.data import DataLoader
+
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import ConfigError, JobConfig, namespaced_config
+from flwr_jdp.joint_dp.owner_guard import InstructionRefused
+from flwr_jdp.joint_dp.owner_round import public_personal_swapped
+from flwr_jdp.joint_dp.owner_store import (
+    charge_owners,
+    load_personal_arrays,
+    owner_generator,
+    personal_fit_on,
+    read_instructions,
+    save_personal_arrays,
+    shared_arrays,
+    shared_digest,
+)
+from flwr_jdp.joint_dp.schedule import OwnerSize
+from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
+from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
+from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
+from flwr_jdp.training.user_loop import UserLoopError, private_training
+
+TrainFn = Callable[[nn.Module, DataLoader], object]
+
+#: ``context.state`` key of the public initial personal values (from the server's set-up).
+PUBLIC_KEY = "jdp.public-personal"
+
+
+def owner_id(context: Context) -> int:
+    """The owner a node hosts: its ``partition-id`` (node config), else its node id."""
+    pid = context.node_config.get("partition-id")
+    return int(pid) if pid is not None else int(context.node_id)
+
+
+def _spec_of(model: nn.Module) -> tuple[list[str], list[str]]:
+    names, shapes = [], []
+    for n, p in model.named_parameters():
+        names.append(n)
+        shapes.append("x".join(str(d) for d in p.shape) or "scalar")
+    return names, shapes
+
+
+class JointDPClient:
+    """Registers the set-up exchange on ``app`` and trains owners under joint DP.
+
+    Parameters
+    ----------
+    app : ClientApp
+        The user's ClientApp; a ``query`` handler for the set-up is added to it.
+    model_fn : callable
+        ``() -> nn.Module``, the user's model class (its parameter names and shapes
+        are reported at set-up, so the server checks its ``initial_arrays`` before
+        any privacy is spent).
+    train_data : callable
+        ``(context) -> DataLoader``, the owner's training loader; its data set's size
+        is reported at set-up (public metadata, as in every DP-SGD deployment).
+    user_ids : callable, optional
+        ``(context) -> sequence of int``, the user of every record of the training
+        data set (``jdp.privacy-unit = "user"``).
+    loss_reduction : str
+        ``"mean"`` (the default of torch losses) or ``"sum"``: how the user's loss
+        reduces over a batch (per-sample gradients are rescaled accordingly).
+    """
+
+    def __init__(self, app: ClientApp, *, model_fn: Callable[[], nn.Module],
+                 train_data: Callable[[Context], DataLoader],
+                 user_ids: Callable[[Context], Sequence[int]] | None = None,
+                 loss_reduction: str = "mean") -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.model_fn = model_fn
+        self.train_data = train_data
+        self.user_ids = user_ids
+        self.loss_reduction = loss_reduction
+        app.query()(self._setup)
+
+    # ------------------------------------------------------------------ set-up
+    def config(self, context: Context) -> JobConfig:
+        """The ``jdp.*`` run config (validated)."""
+        cfg = namespaced_config(context.run_config)
+        if cfg.unit is not PrivacyUnit.OWNER and not cfg.decoupled:
+            raise ConfigError("run-config key 'jdp.personal-coupling' must be 'decoupled' in an app "
+                              "that uses JointDPClient (the interleaved coupling is a reproduction mode)")
+        return cfg
+
+    def _units(self, cfg: JobConfig, context: Context, num_records: int) -> tuple[torch.Tensor, int]:
+        if cfg.unit is not PrivacyUnit.USER:
+            return torch.arange(num_records), num_records
+        if self.user_ids is None:
+            raise ConfigError("run-config key 'jdp.privacy-unit'='user' needs JointDPClient(user_ids=...)")
+        ids = np.asarray(list(self.user_ids(context)))
+        if len(ids) != num_records:
+            raise ConfigError(f"user_ids gave {len(ids)} ids for {num_records} training records")
+        _, inverse = np.unique(ids, return_inverse=True)
+        return torch.from_numpy(inverse.astype(np.int64)), int(inverse.max()) + 1 if len(ids) else 0
+
+    def _size(self, cfg: JobConfig, context: Context, loader: DataLoader) -> OwnerSize:
+        n = len(loader.dataset)  # type: ignore[arg-type]
+        if n == 0:
+            raise ConfigError(f"owner {owner_id(context)}: the training data set is empty")
+        _, users = self._units(cfg, context, n)
+        return OwnerSize(n, users)
+
+    def _setup(self, msg: Message, context: Context) -> Message:
+        """Report this node's owner, its data size and the model's parameter names
+        and shapes; keep the public initial personal values the server sent."""
+        try:
+            cfg = self.config(context)
+            size = self._size(cfg, context, self.train_data(context))
+            names, shapes = _spec_of(self.model_fn())
+        except (ConfigError, UserLoopError, ValueError) as err:
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
+        public = msg.content.get(protocol.PUBLIC_PERSONAL)
+        if isinstance(public, ArrayRecord):
+            context.state[PUBLIC_KEY] = public
+        rec = ConfigRecord({
+            protocol.OWNER_IDS: [owner_id(context)],
+            protocol.NUM_RECORDS: [size.num_records],
+            protocol.NUM_USERS: [size.num_users],
+            protocol.PARAM_NAMES: names,
+            protocol.PARAM_SHAPES: shapes,
+        })
+        return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
+
+    # ------------------------------------------------------------------- model
+    def _split(self, cfg: JobConfig, model: nn.Module) -> ParamSplit:
+        try:
+            return split_parameters(model, cfg.effective_personal_rule)
+        except ValueError as err:
+            raise ConfigError(f"run-config key 'jdp.personal-layers': {err}") from None
+
+    def _public(self, context: Context, split: ParamSplit) -> dict[str, np.ndarray]:
+        rec = context.state.get(PUBLIC_KEY)
+        if not isinstance(rec, ArrayRecord):
+            raise UserLoopError("the public initial personal values from the set-up are missing "
+                                "(the node restarted after the set-up?): restart the run")
+        values = dict(zip(rec.keys(), rec.to_numpy_ndarrays(), strict=True))
+        missing = set(split.personal) - set(values)
+        if missing:
+            raise UserLoopError(f"the set-up sent no initial values for personal parameters {sorted(missing)}")
+        return {n: values[n] for n in split.personal}
+
+    def _load(self, cfg: JobConfig, model: nn.Module, msg: Message, context: Context,
+              session: str) -> tuple[ParamSplit, dict[str, np.ndarray]]:
+        split = self._split(cfg, model)
+        shared = shared_arrays(msg.content.get(protocol.SHARED))
+        if set(shared) != set(split.shared):
+            extra, missing = sorted(set(shared) - set(split.shared)), sorted(set(split.shared) - set(shared))
+            raise UserLoopError(f"the broadcast does not match this model's shared parameters "
+                                f"(unknown: {extra[:5]}, missing: {missing[:5]})")
+        buffers = [n for n, _ in model.named_buffers()]
+        if buffers and cfg.unit is not PrivacyUnit.OWNER:
+            raise UserLoopError(f"the model has buffers {buffers[:3]} (BatchNorm statistics?), which "
+                                "depend on the data without noise; use GroupNorm or LayerNorm")
+        personal = load_personal_arrays(context, owner_id(context), session)
+        set_arrays(model, personal if personal is not None else self._public(context, split))
+        set_arrays(model, shared)
+        return split, shared
+
+    def load(self, model: nn.Module, msg: Message, context: Context,
+             fit: Callable[[nn.Module], object] | None = None) -> nn.Module:
+        """``model`` with the broadcast shared parameters of ``msg`` and this owner's
+        personal parameters (for evaluation; replaces ``load_state_dict``).
+
+        With ``fit`` (``model -> anything``, e.g. ``lambda m: train_fn(m, trainloader,
+        ...)``) the personal parameters are first fitted on this broadcast, shared
+        parameters frozen, if they have not been yet (no privacy cost: nothing it
+        computes is sent); without it they are those of the last train round."""
+        cfg = self.config(context)
+        session = str(msg.content[protocol.CONFIG].get(protocol.SESSION, ""))
+        split, shared = self._load(cfg, model, msg, context, session)
+        o = owner_id(context)
+        digest = shared_digest(shared)
+        if fit is not None and cfg.unit is not PrivacyUnit.OWNER and personal_fit_on(context, o, session) != digest:
+            self._fit_personal(model, split, fit)
+            save_personal_arrays(context, o, dict(get_arrays(model, split.personal)), session,
+                                 fit_on=digest, count_round=False)
+        return model
+
+    @staticmethod
+    def _fit_personal(model: nn.Module, split: ParamSplit, fit: Callable[[nn.Module], object]) -> None:
+        params = dict(model.named_parameters())
+        flags = {n: p.requires_grad for n, p in params.items()}
+        try:
+            for n in split.shared:
+                params[n].requires_grad_(False)
+            fit(model)
+        finally:
+            for n, p in params.items():
+                p.requires_grad_(flags[n])
+        bad = [n for n in split.personal if not torch.isfinite(params[n]).all()]
+        if bad:
+            raise UserLoopError(f"the train function made personal parameters {bad[:3]} non-finite "
+                                "(a diverging or non-finite loss?)")
+
+    # ------------------------------------------------------------------- train
+    def train(self, msg: Message, context: Context, model: nn.Module, train_loader: DataLoader,
+              train_fn: TrainFn) -> Message:
+        """Train this node's owner for one round with the user's ``train_fn(model,
+        loader)`` and return the reply (shared release only). A refused instruction
+        or an error the user can act on becomes an error reply naming the cause."""
+        try:
+            return self._train(msg, context, model, train_loader, train_fn)
+        except InstructionRefused as err:
+            log(WARNING, "Refused the train instruction (nothing trained or sent): %s", err)
+            reason = f"refused: {err}"
+        except (ConfigError, UserLoopError) as err:
+            log(WARNING, "Train round failed (nothing sent): %s", err)
+            reason = str(err)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+
+    def _train(self, msg: Message, context: Context, model: nn.Module, loader: DataLoader,
+               train_fn: TrainFn) -> Message:
+        cfg = self.config(context)
+        cfg_rec = msg.content[protocol.CONFIG]
+        session = str(cfg_rec.get(protocol.SESSION, ""))
+        o = owner_id(context)
+        size = self._size(cfg, context, loader)
+        instruction = read_instructions(cfg, cfg_rec, [o])[o]
+        charge_owners(cfg, context, {o: size}, {o: instruction}, session)  # local noise only
+        split, shared = self._load(cfg, model, msg, context, session)
+        generator = owner_generator(cfg, instruction.server_round, o)
+        digest = shared_digest(shared)
+        if cfg.unit is PrivacyUnit.OWNER:
+            release = self._owner_release(cfg, model, split, loader, train_fn, instruction.noise_multiplier,
+                                          generator)
+        else:
+            if personal_fit_on(context, o, session) != digest:
+                self._fit_personal(model, split, lambda m: train_fn(m, loader))
+            unit_of_record, num_units = self._units(cfg, context, size.num_records)
+            central = cfg.placement is NoisePlacement.CENTRAL
+            with public_personal_swapped(model, split, self._public(context, split)) as m, \
+                    private_training(m, loader, unit_of_record=unit_of_record, num_units=num_units,
+                                     sample_rate=instruction.sample_rate,
+                                     steps=1 if central else instruction.steps,
+                                     noise_multiplier=instruction.noise_multiplier,
+                                     clipping_norm=cfg.clipping_norm, generator=generator,
+                                     secure=cfg.secure_noise, capture=central,
+                                     loss_reduction=self.loss_reduction) as (private, ploader, record):
+                train_fn(private, ploader)
+                if central:
+                    sums = record.clipped_sum or [torch.zeros_like(p) for n, p in m.named_parameters()
+                                                  if n in split.shared]
+                    release = {n: s.detach().numpy().astype(np.float32)
+                               for n, s in zip(split.shared, sums, strict=True)}
+                else:
+                    release = dict(get_arrays(m, split.shared))
+        bad = [n for n, a in release.items() if not np.all(np.isfinite(a))]
+        if bad:
+            raise UserLoopError(f"the release has non-finite values in {bad[:3]} (a non-finite loss or "
+                                "learning rate?)")
+        save_personal_arrays(context, o, dict(get_arrays(model, split.personal)), session, fit_on=digest)
+        dtype = {n: p.detach().numpy().dtype for n, p in model.named_parameters()}
+        reply = RecordDict({
+            "arrays": protocol.to_record({n: release[n].astype(dtype[n]) for n in split.shared}),
+            "metrics": MetricRecord({protocol.NUM_EXAMPLES: size.num_records}),
+        })
+        return Message(reply, reply_to=msg)
+
+    @staticmethod
+    def _owner_release(cfg: JobConfig, model: nn.Module, split: ParamSplit, loader: DataLoader,
+                       train_fn: TrainFn, z: float, generator: torch.Generator) -> dict[str, np.ndarray]:
+        """Owner unit: the whole model trained by ``train_fn``; the shared update
+        clipped to ``C`` (sensitivity ``C``: one owner), plus ``N(0, (z C)^2)`` under
+        local noise (the server adds it under central noise)."""
+        before = get_arrays(model, split.shared)
+        train_fn(model, loader)
+        after = get_arrays(model, split.shared)
+        delta = clip_numpy([after[n] - before[n] for n in split.shared], cfg.clipping_norm)
+        if cfg.placement is NoisePlacement.LOCAL:
+            mech = GaussianSumMechanism(z, cfg.clipping_norm, 1.0, secure=cfg.secure_noise)
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+            delta = mech.release_numpy(delta, numpy_rng(seed))
+        if not math.isfinite(float(sum(float(np.sum(d)) for d in delta))):
+            raise UserLoopError("the owner's update is non-finite (a diverging or non-finite loss?)")
+        return dict(zip(split.shared, delta, strict=True))
+
+
+__all__ = ["JointDPClient", "owner_id"]
