@@ -11,7 +11,8 @@ never answered are returned, so a caller can name them instead of blaming its
 configuration. This module only carries the replies: what a
 reply discloses (which owners, tasks or silos a node hosts, record counts) and whether
 the guarantee covers it is set and stated by each strategy (for example, subject-level
-DP's per-subject counts are metadata outside its guarantee; see its module docstring).
+DP's reported per-subject counts, sent only with ``max-records-per-subject = 0``, are
+metadata outside its guarantee; see its module docstring).
 Asking a silent node again sends the same query again and discloses nothing new.
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from flwr_jdp.subject.config import SubjectDPConfig
 
@@ -25,14 +26,26 @@ def test_resampled_writers_are_rows_of_the_real_map():
     assert {tuple(r) for r in big} <= {tuple(r) for r in counts}
 
 
-def test_more_writers_need_less_noise_and_the_row_is_consistent():
+CFG = SubjectDPConfig(method="higradavg-dp", accounting="exact", target_epsilon=4.0,
+                      delta=1e-5, budget_rounds=2, batch_size=8, local_steps=1, max_records_per_subject=0)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """The study's rows for 20 writers and for 200 resampled from them (computed once:
+    each calibrates two noise multipliers by exact accounting)."""
     scale = _scale()
-    cfg = SubjectDPConfig(method="higradavg-dp", accounting="exact", target_epsilon=4.0,
-                          delta=1e-5, budget_rounds=2, batch_size=8, local_steps=1, max_records_per_subject=0)
+    counts = np.random.default_rng(0).integers(0, 4, size=(20, 3))
+    large_counts = scale.resample_writers(counts, 200, seed=0)
+    return counts, scale.scale_row(CFG, counts, parameters=100), scale.scale_row(CFG, large_counts, parameters=100)
+
+
+@pytest.mark.slow  # the rows calibrate by exact PLD accounting at small rates: ~50 s
+def test_more_writers_need_less_noise_and_the_row_is_consistent(rows):
+    scale = _scale()
     rng = np.random.default_rng(0)
-    counts = rng.integers(0, 4, size=(20, 3))
-    small = scale.scale_row(cfg, counts, parameters=100)
-    large = scale.scale_row(cfg, scale.resample_writers(counts, 200, seed=0), parameters=100)
+    counts, small, large = rows
+    rng.integers(0, 4, size=(20, 3))  # the draw that made the counts: the simulations below keep their stream
     for row, c in ((small, counts), (large, scale.resample_writers(counts, 200, seed=0))):
         assert row["epsilon"] <= 4.0 + 1e-3
         # distinct writers in a Poisson batch of rate 8 / (silo size), simulated
@@ -51,20 +64,16 @@ def test_more_writers_need_less_noise_and_the_row_is_consistent():
     assert large["signal_to_noise"] > small["signal_to_noise"]
 
 
-def test_row_gives_local_item_dp_its_own_record_level_noise():
+@pytest.mark.slow
+def test_row_gives_local_item_dp_its_own_record_level_noise(rows):
     """LocalItemDP's column is its record-level plan on the same counts, and falls as the
     silos grow (its record rate falls), like the subject-level noise."""
     from dataclasses import replace
 
     from flwr_jdp.subject.plan import make_plan
 
-    scale = _scale()
-    cfg = SubjectDPConfig(method="higradavg-dp", accounting="exact", target_epsilon=4.0,
-                          delta=1e-5, budget_rounds=2, batch_size=8, local_steps=1, max_records_per_subject=0)
-    counts = np.random.default_rng(1).integers(0, 4, size=(20, 3))
-    large_counts = scale.resample_writers(counts, 200, seed=0)
-    small, large = (scale.scale_row(cfg, c, parameters=100) for c in (counts, large_counts))
-    plan = make_plan(replace(cfg, method="local-item-dp"), counts)
+    counts, small, large = rows
+    plan = make_plan(replace(CFG, method="local-item-dp"), counts)
     assert small["local_item_dp_noise_multiplier"] == round(plan.noise_multiplier, 4)
     assert small["local_item_dp_epsilon"] <= 4.0 + 1e-3
     assert large["local_item_dp_noise_multiplier"] < small["local_item_dp_noise_multiplier"]

@@ -298,13 +298,13 @@ class JointDPClient:
                                      secure=cfg.secure_noise, capture=central,
                                      loss_reduction=self.loss_reduction) as (private, ploader, record):
                 train_fn(private, ploader)
-                if central:
-                    sums = record.clipped_sum or [torch.zeros_like(p) for n, p in m.named_parameters()
-                                                  if n in split.shared]
-                    release = {n: s.detach().numpy().astype(np.float32)
-                               for n, s in zip(split.shared, sums, strict=True)}
-                else:
+                if not central:
                     release = dict(get_arrays(m, split.shared))
+            if central:  # the clipped sum is in ``record`` once private_training has closed
+                sums = record.clipped_sum or [torch.zeros_like(p) for n, p in model.named_parameters()
+                                              if n in split.shared]
+                release = {n: s.detach().numpy().astype(np.float32)
+                           for n, s in zip(split.shared, sums, strict=True)}
         bad = [n for n, a in release.items() if not np.all(np.isfinite(a))]
         if bad:
             raise UserLoopError(f"the release has non-finite values in {bad[:3]} (a non-finite loss or "

@@ -2,7 +2,15 @@
 
 Run from the repository root after ``mutmut run`` (docs/mutation.md)::
 
+    python results/mutation/summarize.py --patterns | xargs -d '\n' mutmut run --max-children 1
     python results/mutation/summarize.py [--triaged docs/mutation.md]
+
+``--patterns`` prints mutmut's name patterns for :data:`SELECTED` (the mutated
+code: whole modules, and the aggregation and noise functions of
+``flwr_jdp/joint_dp/strategy.py``, a large file whose logging, results and
+evaluation code is not privacy-critical); a plain ``mutmut run`` would check every
+function of every ``only_mutate`` file. The summary counts exactly the mutants of
+:data:`SELECTED`.
 
 It reads ``mutants/<file>.meta`` (the exit code mutmut recorded for each mutant of
 each mutated file) and maps the codes with mutmut's own ``status_by_exit_code``,
@@ -23,20 +31,62 @@ from pathlib import Path
 
 from mutmut.stats import status_by_exit_code
 
+#: What is mutation-tested: a module name (every function of it) or one function's
+#: mutmut name (``<module>.x_<function>`` or ``<module>.xǁ<Class>ǁ<method>``).
+SELECTED = (
+    "flwr_jdp.privacy.mechanisms",
+    "flwr_jdp.joint_dp.owner_guard",
+    "flwr_jdp.training.user_loop",
+    "flwr_jdp.training.dp_sgd",
+    "flwr_jdp.joint_dp.validation",
+    # JointDP's aggregation and noise: selection (fraction-train), calibration of z,
+    # the charge before the instruction leaves, validation -> re-clip -> sum -> noise
+    # -> normalise, and the inner strategy's post-processing.
+    "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_select",
+    "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_calibrate",
+    "flwr_jdp.joint_dp.strategy.xǁJointDPǁconfigure_train",
+    "flwr_jdp.joint_dp.strategy.xǁJointDPǁaggregate_train",
+    "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_aggregate",
+    "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_post_process",
+    "flwr_jdp.joint_dp.client",
+    "flwr_jdp.joint_dp.owner_state",
+    "flwr_jdp.joint_dp.owner_store",
+)
+
+
+def _is_function(name: str) -> bool:
+    return ".x_" in name or ".xǁ" in name
+
+
+def patterns() -> list[str]:
+    """mutmut name patterns (fnmatch) for :data:`SELECTED`: each must also match the
+    function's own name, so that mutmut's clean run is limited to its tests."""
+    return [f"{s}*" if _is_function(s) else f"{s}.*" for s in SELECTED]
+
+
+def selected(mutant: str) -> bool:
+    function = mutant.partition("__mutmut_")[0]
+    return any(function == s if _is_function(s) else function.startswith(s + ".") for s in SELECTED)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--triaged", default="docs/mutation.md")
     parser.add_argument("--out", default="results/mutation/summary.json")
+    parser.add_argument("--patterns", action="store_true", help="print the mutant name patterns and stop")
     args = parser.parse_args()
+    if args.patterns:
+        print("\n".join(patterns()))
+        return
     cfg = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["mutmut"]
     triaged_text = Path(args.triaged).read_text() if Path(args.triaged).is_file() else ""
     triaged = set(re.findall(r"`([\w.ǁ]+__mutmut_\d+)`", triaged_text))
     modules, total = {}, Counter()
     for path in cfg["only_mutate"]:
         meta = json.loads((Path("mutants") / (path + ".meta")).read_text())
-        counts = Counter(status_by_exit_code[code] for code in meta["exit_code_by_key"].values())
-        survivors = [k for k, code in meta["exit_code_by_key"].items() if status_by_exit_code[code] == "survived"]
+        codes = {k: code for k, code in meta["exit_code_by_key"].items() if selected(k)}
+        counts = Counter(status_by_exit_code[code] for code in codes.values())
+        survivors = [k for k, code in codes.items() if status_by_exit_code[code] == "survived"]
         checked = sum(counts.values()) - counts.get("not checked", 0)
         row = dict(sorted(counts.items()))
         row["total"] = sum(counts.values())
@@ -48,7 +98,8 @@ def main() -> None:
     checked = sum(total.values()) - total.get("not checked", 0)
     summary = {
         "tool": "mutmut",
-        "command": "mutmut run --max-children 1",
+        "command": "mutmut run --max-children 1 " + " ".join(f"'{p}'" for p in patterns()),
+        "selected": list(SELECTED),
         "test_selection": cfg["pytest_add_cli_args_test_selection"],
         "modules": modules,
         "total": dict(sorted(total.items()), total=sum(total.values()),

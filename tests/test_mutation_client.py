@@ -1,0 +1,368 @@
+"""The drop-in client half (flwr_jdp/joint_dp/client.py) alone, written for mutation
+testing (docs/mutation.md): the shared/personal split, the reply (shared release
+only, the exact clipped release, the noise the owner adds), the personal state
+loaded back each round and the refusals. A tiny model on a tiny loader, no Flower
+run."""
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.client import PUBLIC_KEY, JointDPClient, owner_id
+from flwr_jdp.joint_dp.config import ConfigError
+from flwr_jdp.joint_dp.owner_store import load_personal_arrays, personal_key, trained_rounds
+
+RC = {"jdp.personal-layers": "^head\\.", "jdp.batch-size": 8, "jdp.local-epochs": 1, "jdp.num-rounds": 3,
+      "jdp.target-epsilon": 50.0, "jdp.clipping-norm": 1.0, "jdp.accountant": "rdp"}
+N = 40
+
+
+class Wide(nn.Module):
+    """Shared ``body`` (4 -> 64, 320 numbers), personal ``head`` (64 -> 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 64)
+        self.head = nn.Linear(64, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def _loader(n=N):
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)),
+                      batch_size=8)
+
+
+def _sgd(lr=0.1):
+    def fn(net, loader):
+        opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=lr)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    return fn
+
+
+def _node(rc, loader=None, node_id=7, node_config=None, **kwargs):
+    app = ClientApp()
+    loader = loader if loader is not None else _loader()
+    jdp = JointDPClient(app, model_fn=Wide, train_data=lambda ctx: loader, **kwargs)
+    ctx = Context(run_id=1, node_id=node_id, node_config={"partition-id": 0, "num-partitions": 1}
+                  if node_config is None else node_config, state=RecordDict(), run_config=dict(RC, **rc))
+    return app, jdp, ctx, loader
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return Wide()
+
+
+def _arrays(net, prefix):
+    """Parameters whose name starts with ``prefix`` (also inside Opacus' wrapper)."""
+    return {n.removeprefix("_module."): p.detach().numpy().copy() for n, p in net.named_parameters()
+            if n.removeprefix("_module.").startswith(prefix)}
+
+
+def _setup(app, ctx, public=None):
+    InProcessGrid(app, 1, ctx.run_config)  # stamps message identities
+    public = public if public is not None else _arrays(_net(), "head.")
+    query = Message(RecordDict({protocol.CONFIG: ConfigRecord(),
+                                protocol.PUBLIC_PERSONAL: protocol.to_record(public)}),
+                    dst_node_id=ctx.node_id, message_type=MessageType.QUERY)
+    return app(query, ctx), public
+
+
+def _instruction(ctx, shared, z, q, steps, rnd=1, owner=0):
+    cfg = ConfigRecord({protocol.ROUND: rnd, protocol.OWNERS: [owner], protocol.SAMPLE_RATES: [q],
+                        protocol.STEPS: [steps], protocol.NOISE_MULTIPLIER: z, protocol.SESSION: "s1"})
+    return Message(RecordDict({protocol.SHARED: protocol.to_record(shared), protocol.CONFIG: cfg}),
+                   dst_node_id=ctx.node_id, message_type=MessageType.TRAIN)
+
+
+def _release(reply):
+    assert reply.has_content(), reply.error.reason
+    assert set(reply.content.keys()) == {"arrays", "metrics"}
+    return {k: reply.content["arrays"][k].numpy() for k in reply.content["arrays"].keys()}
+
+
+def _norm(arrays):
+    return float(np.sqrt(sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in arrays.values())))
+
+
+# ------------------------------------------------------------------ owner unit
+def test_owner_unit_central_reply_is_the_shared_update_clipped_to_c_and_nothing_else():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "central"})
+    _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+    for lr, clipped in ((5.0, True), (1e-4, False)):
+        model = _net(2)
+        reply = jdp.train(_instruction(ctx, shared, 1.0, 1.0, 1), ctx, model, loader, _sgd(lr))
+        release = _release(reply)
+        assert set(release) == {"body.weight", "body.bias"}
+        delta = {n: model.state_dict()[n].numpy() - shared[n] for n in release}  # the trained model
+        if clipped:
+            assert _norm(release) == pytest.approx(1.0, rel=1e-5) and _norm(delta) > 1.0
+            for n in release:
+                np.testing.assert_allclose(release[n], delta[n] / _norm(delta), rtol=1e-4, atol=1e-7)
+        else:
+            for n in release:
+                np.testing.assert_allclose(release[n], delta[n], rtol=1e-4, atol=1e-9)
+        assert all(v.dtype == np.float32 for v in release.values())
+        assert int(reply.content["metrics"][protocol.NUM_EXAMPLES]) == N
+
+
+def test_owner_unit_local_noise_is_z_c_per_coordinate():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "local",
+                                   "jdp.noise-seed": 5})
+    _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+    release = _release(jdp.train(_instruction(ctx, shared, 3.0, 1.0, 1), ctx, _net(2), loader, _sgd(1e-6)))
+    values = np.concatenate([v.ravel() for v in release.values()])
+    assert values.std() == pytest.approx(3.0, rel=0.25)  # 320 values; the update itself is ~1e-6
+    assert abs(values.mean()) < 0.6
+
+
+def test_a_non_finite_owner_update_is_an_error_reply_not_a_release():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "central"})
+    _setup(app, ctx)
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 1.0, 1), ctx, _net(2), loader,
+                      _sgd(float("nan")))
+    assert reply.has_error() and "non-finite" in reply.error.reason
+    assert personal_key(0) not in ctx.state  # nothing kept from a failed round
+
+
+# ------------------------------------------------------------------ record unit
+def _per_sample_clipped_sum(shared, public, loader, clip):
+    net = Wide()
+    net.load_state_dict({**{k: torch.from_numpy(v) for k, v in shared.items()},
+                         **{k: torch.from_numpy(v) for k, v in public.items()}})
+    params = [net.body.weight, net.body.bias]
+    total = [torch.zeros_like(p) for p in params]
+    x, y = loader.dataset.tensors
+    for i in range(len(y)):
+        grads = torch.autograd.grad(nn.functional.cross_entropy(net(x[i:i + 1]), y[i:i + 1]), params)
+        norm = float(torch.sqrt(sum((g * g).sum() for g in grads)))
+        for t, g in zip(total, grads):
+            t += g * min(1.0, clip / (norm + 1e-6))
+    return {"body.weight": total[0].numpy(), "body.bias": total[1].numpy()}
+
+
+def test_record_unit_central_reply_is_the_clipped_gradient_sum_at_the_public_personal_values():
+    """q = 1: the batch is every record; the reply is the sum of per-record gradients
+    clipped to C, taken with the personal parameters at their public values (not
+    the owner's fitted ones) and without noise (the server adds it)."""
+    clip = 0.05
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central",
+                                   "jdp.clipping-norm": clip})
+    _, public = _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+    model = _net(2)
+    release = _release(jdp.train(_instruction(ctx, shared, 1.0, 1.0, 1), ctx, model, loader, _sgd(0.5)))
+    want = _per_sample_clipped_sum(shared, public, loader, clip)
+    for n in want:
+        np.testing.assert_allclose(release[n], want[n], rtol=1e-4, atol=1e-6)
+    assert _norm(release) <= clip * N
+    # the model the user handed in keeps the owner's fitted personal values, saved as its state
+    saved = load_personal_arrays(ctx, 0, "s1")
+    assert set(saved) == {"head.weight", "head.bias"}
+    assert not np.allclose(saved["head.weight"], public["head.weight"])
+    np.testing.assert_array_equal(saved["head.weight"], model.head.weight.detach().numpy())
+
+
+def test_record_unit_local_release_has_the_owners_noise_and_no_personal_array():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "local",
+                                   "jdp.noise-seed": 1, "jdp.clipping-norm": 1.0})
+    _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+    z, q, steps, lr = 2.0, 0.2, 5, 1.0
+    release = _release(jdp.train(_instruction(ctx, shared, z, q, steps), ctx, _net(2), loader, _sgd(lr)))
+    assert set(release) == {"body.weight", "body.bias"}
+    moved = np.concatenate([(release[n] - shared[n]).ravel() for n in release])
+    expected = lr * z * 1.0 / (q * N) * np.sqrt(steps)  # the noise dominates: gradients are clipped to C = 1
+    assert moved.std() == pytest.approx(expected, rel=0.3)
+    saved = load_personal_arrays(ctx, 0, "s1")
+    for value in saved.values():
+        for arr in release.values():
+            assert not (arr.size == value.size and np.allclose(arr.ravel(), value.ravel()))
+
+
+def test_each_round_starts_from_the_personal_state_the_last_one_saved():
+    """Round 2's personal fit starts from what round 1 saved in ``context.state``, not
+    from the public initial values; ``load`` for evaluation hands out the same."""
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"})
+    _, public = _setup(app, ctx)
+    starts = []
+
+    def fn(net, loader_):
+        starts.append(_arrays(net, "head."))
+        _sgd(0.5)(net, loader_)
+
+    jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 1.0, 1, rnd=1), ctx, _net(2), loader, fn)
+    after_one = load_personal_arrays(ctx, 0, "s1")
+    assert trained_rounds(ctx, 0, "s1") == 1
+    np.testing.assert_array_equal(starts[0]["head.weight"], public["head.weight"])
+    jdp.train(_instruction(ctx, _arrays(_net(3), "body."), 1.0, 1.0, 1, rnd=2), ctx, _net(4), loader, fn)
+    assert len(starts) == 4  # per round: the personal fit, then the private release
+    np.testing.assert_array_equal(starts[2]["head.weight"], after_one["head.weight"])
+    np.testing.assert_array_equal(starts[3]["head.weight"], public["head.weight"])  # the release: public values
+    assert trained_rounds(ctx, 0, "s1") == 2
+
+    after_two = load_personal_arrays(ctx, 0, "s1")
+    shared = _arrays(_net(3), "body.")
+    evaluated = jdp.load(_net(5), _instruction(ctx, shared, 1.0, 1.0, 1), ctx)
+    np.testing.assert_array_equal(evaluated.head.weight.detach().numpy(), after_two["head.weight"])
+    np.testing.assert_array_equal(evaluated.body.weight.detach().numpy(), shared["body.weight"])
+
+
+def test_load_fits_the_personal_layers_once_per_broadcast_with_the_shared_ones_frozen():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"})
+    _, public = _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+    calls = []
+
+    def fit(m):
+        calls.append([p.requires_grad for p in m.body.parameters()])
+        _sgd(0.5)(m, loader)
+
+    model = jdp.load(_net(2), _instruction(ctx, shared, 1.0, 1.0, 1), ctx, fit=fit)
+    assert calls == [[False, False]]  # the shared parameters frozen during the fit...
+    assert all(p.requires_grad for p in model.parameters())  # ...and trainable again after
+    np.testing.assert_array_equal(model.body.weight.detach().numpy(), shared["body.weight"])
+    fitted = load_personal_arrays(ctx, 0, "s1")
+    np.testing.assert_array_equal(model.head.weight.detach().numpy(), fitted["head.weight"])
+    assert not np.allclose(fitted["head.weight"], public["head.weight"])
+    assert trained_rounds(ctx, 0, "s1") == 0  # an evaluation fit is not a trained round
+    jdp.load(_net(2), _instruction(ctx, shared, 1.0, 1.0, 1), ctx, fit=fit)
+    assert len(calls) == 1  # same broadcast: not fitted again
+    owner = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "central"})
+    _setup(owner[0], owner[2])
+    owner[1].load(_net(2), _instruction(owner[2], shared, 1.0, 1.0, 1), owner[2], fit=fit)
+    assert len(calls) == 1  # owner unit: the personal layers are trained with the rest
+
+
+def test_a_fit_that_makes_personal_values_non_finite_is_named():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"})
+    _setup(app, ctx)
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 1.0, 1), ctx, _net(2), loader,
+                      _sgd(float("inf")))
+    assert reply.has_error() and "non-finite" in reply.error.reason
+
+
+# ------------------------------------------------------------------ set-up and refusals
+def test_setup_reports_the_owner_its_sizes_and_model_and_keeps_the_public_values():
+    users = [i // 4 for i in range(N)]
+    app, _, ctx, _ = _node({"jdp.privacy-unit": "user", "jdp.records-per-user": 4},
+                           node_config={"partition-id": 3, "num-partitions": 5}, user_ids=lambda c: users)
+    setup, public = _setup(app, ctx)
+    rec = setup.content[protocol.SETUP]
+    assert list(rec[protocol.OWNER_IDS]) == [3]
+    assert list(rec[protocol.NUM_RECORDS]) == [N] and list(rec[protocol.NUM_USERS]) == [10]
+    assert list(rec[protocol.PARAM_NAMES]) == ["body.weight", "body.bias", "head.weight", "head.bias"]
+    assert list(rec[protocol.PARAM_SHAPES]) == ["64x4", "64", "2x64", "2"]
+    kept = ctx.state[PUBLIC_KEY]
+    np.testing.assert_array_equal(kept["head.weight"].numpy(), public["head.weight"])
+
+
+def test_owner_id_is_the_partition_id_else_the_node_id():
+    ctx = Context(run_id=1, node_id=9, node_config={"partition-id": 2}, state=RecordDict(), run_config={})
+    assert owner_id(ctx) == 2
+    ctx = Context(run_id=1, node_id=9, node_config={}, state=RecordDict(), run_config={})
+    assert owner_id(ctx) == 9
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({}, "needs JointDPClient\\(user_ids"),
+    ({"user_ids": lambda c: [0] * (N - 1)}, f"{N - 1} ids for {N} training records"),
+])
+def test_the_user_unit_needs_one_user_id_per_record(kwargs, match):
+    app, _, ctx, _ = _node({"jdp.privacy-unit": "user"}, **kwargs)
+    setup, _ = _setup(app, ctx)
+    assert setup.has_error() and __import__("re").search(match, setup.error.reason)
+
+
+def test_user_ids_are_renumbered_to_0_to_k_minus_1():
+    app, jdp, ctx, _ = _node({"jdp.privacy-unit": "user"}, user_ids=lambda c: [10 + 7 * (i % 5) for i in range(N)])
+    units, k = jdp._units(jdp.config(ctx), ctx, N)
+    assert k == 5 and sorted(set(units.tolist())) == [0, 1, 2, 3, 4]
+    assert units.tolist()[:6] == [0, 1, 2, 3, 4, 0]
+    _, record, rctx, _ = _node({"jdp.privacy-unit": "record"})
+    units, k = record._units(record.config(rctx), rctx, 6)
+    assert k == 6 and units.tolist() == list(range(6))
+
+
+def test_the_interleaved_coupling_and_a_bad_loss_reduction_are_refused():
+    app, jdp, ctx, _ = _node({"jdp.personal-coupling": "interleaved"})
+    with pytest.raises(ConfigError, match="must be 'decoupled'"):
+        jdp.config(ctx)
+    owner = _node({"jdp.personal-coupling": "interleaved", "jdp.privacy-unit": "owner"})
+    assert owner[1].config(owner[2]).unit.value == "owner"  # the owner unit has no coupling
+    with pytest.raises(ValueError, match="loss_reduction"):
+        JointDPClient(ClientApp(), model_fn=Wide, train_data=lambda c: None, loss_reduction="max")
+
+
+def test_a_broadcast_that_does_not_match_the_model_is_refused():
+    app, jdp, ctx, loader = _node({})
+    _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+    shared["extra"] = np.zeros(2, np.float32)
+    reply = jdp.train(_instruction(ctx, shared, 1.0, 0.2, 5), ctx, _net(2), loader, _sgd())
+    assert reply.has_error() and "does not match" in reply.error.reason and "extra" in reply.error.reason
+
+
+def test_public_values_missing_after_a_restart_are_named():
+    app, jdp, ctx, loader = _node({})
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 5), ctx, _net(2), loader, _sgd())
+    assert reply.has_error() and "restart the run" in reply.error.reason
+    _setup(app, ctx, public={"head.weight": np.zeros((2, 64), np.float32)})
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 5), ctx, _net(2), loader, _sgd())
+    assert reply.has_error() and "head.bias" in reply.error.reason
+
+
+class WithBuffer(Wide):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stat", torch.zeros(3))
+
+
+def test_buffers_are_refused_under_the_record_unit_only():
+    app, jdp, ctx, loader = _node({})
+    _setup(app, ctx)
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 5), ctx, WithBuffer(), loader,
+                      _sgd())
+    assert reply.has_error() and "buffers" in reply.error.reason
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "central"})
+    _setup(app, ctx)
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 1.0, 1), ctx, WithBuffer(), loader,
+                      _sgd())
+    assert reply.has_content()
+
+
+def test_a_refused_instruction_trains_nothing_and_keeps_no_state():
+    app, jdp, ctx, loader = _node({})
+    _setup(app, ctx)
+    calls = []
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 0.0, 0.2, 5), ctx, _net(2), loader,
+                      lambda m, ld: calls.append(1))
+    assert reply.has_error() and reply.error.reason.startswith("refused: ")
+    assert calls == [] and personal_key(0) not in ctx.state
+    bad_rule = _node({"jdp.personal-layers": "^nothing\\."})
+    _setup(bad_rule[0], bad_rule[2])
+    reply = bad_rule[1].train(_instruction(bad_rule[2], _arrays(_net(1), "body."), 1.0, 0.2, 5), bad_rule[2],
+                              _net(2), loader, _sgd())
+    assert reply.has_error() and "jdp.personal-layers" in reply.error.reason
+
+
+def test_setup_without_public_values_keeps_none():
+    app, _, ctx, _ = _node({})
+    InProcessGrid(app, 1, ctx.run_config)
+    query = Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=7, message_type=MessageType.QUERY)
+    assert app(query, ctx).has_content() and PUBLIC_KEY not in ctx.state
+    assert not isinstance(ctx.state.get(PUBLIC_KEY), ArrayRecord)
