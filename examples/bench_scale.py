@@ -143,7 +143,7 @@ class TreeSampler(threading.Thread):
 
 # ------------------------------------------------------------------ one simulation (child)
 def fedavg_main_recording(out: dict):
-    """``apps/fedavg_app.main``, keeping the last round's federated accuracy."""
+    """``flwr_jdp/joint_dp/fedavg_app.main``, keeping the last round's federated accuracy."""
     from flwr.app import ArrayRecord
     from flwr.serverapp.strategy import FedAvg
 
