@@ -166,7 +166,6 @@ def fedavg_main_recording(out: dict):
 
 def run_child(spec: dict) -> dict:
     from flwr_jdp.joint_dp import fedavg_app
-
     from research.simulation import simulate
 
     extra: dict = {}

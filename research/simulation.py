@@ -65,6 +65,7 @@ def simulate(
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
+
     from flwr_jdp.altmin import app as altmin_app
     from flwr_jdp.joint_dp import client_app as jdp_client
     from flwr_jdp.joint_dp import fedavg_app, server_app

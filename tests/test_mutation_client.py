@@ -9,14 +9,17 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.client import PUBLIC_KEY, JointDPClient, owner_id
-from flwr_jdp.joint_dp.config import ConfigError
-from flwr_jdp.joint_dp.owner_store import load_personal_arrays, personal_key, trained_rounds
+from flwr_jdp.joint_dp.config import ConfigError, namespaced_config
+from flwr_jdp.joint_dp.owner_store import load_personal_arrays, owner_generator, personal_key, trained_rounds
+from flwr_jdp.params import split_parameters
+from flwr_jdp.privacy import mechanisms
 
 RC = {"jdp.personal-layers": "^head\\.", "jdp.batch-size": 8, "jdp.local-epochs": 1, "jdp.num-rounds": 3,
       "jdp.target-epsilon": 50.0, "jdp.clipping-norm": 1.0, "jdp.accountant": "rdp"}
@@ -121,13 +124,64 @@ def test_owner_unit_central_reply_is_the_shared_update_clipped_to_c_and_nothing_
 
 def test_owner_unit_local_noise_is_z_c_per_coordinate():
     app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "local",
-                                   "jdp.noise-seed": 5})
+                                   "jdp.noise-seed": 5, "jdp.clipping-norm": 0.5})
     _setup(app, ctx)
     shared = _arrays(_net(1), "body.")
     release = _release(jdp.train(_instruction(ctx, shared, 3.0, 1.0, 1), ctx, _net(2), loader, _sgd(1e-6)))
     values = np.concatenate([v.ravel() for v in release.values()])
-    assert values.std() == pytest.approx(3.0, rel=0.25)  # 320 values; the update itself is ~1e-6
-    assert abs(values.mean()) < 0.6
+    assert values.std() == pytest.approx(1.5, rel=0.25)  # z C; 320 values; the update itself is ~1e-6
+    assert abs(values.mean()) < 0.3
+
+
+def _noise_only(rc, rnd, partition=0, reseed=0):
+    """The owner-unit local release of an owner whose train function changes nothing:
+    the owner's noise alone (a fresh node, round ``rnd``)."""
+    app, jdp, ctx, loader = _node(dict({"jdp.privacy-unit": "owner", "jdp.noise-placement": "local",
+                                        "jdp.noise-seed": 5}, **rc),
+                                  node_config={"partition-id": partition, "num-partitions": 4})
+    _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+    model = _net(2)
+    torch.manual_seed(reseed)  # the global RNG must not matter
+    reply = jdp.train(_instruction(ctx, shared, 2.0, 1.0, 1, rnd=rnd, owner=partition), ctx, model, loader,
+                      lambda m, ld: None)
+    return np.concatenate([v.ravel() for v in _release(reply).values()])
+
+
+def test_owner_noise_is_reproducible_under_a_noise_seed_and_fresh_per_round_and_owner():
+    first = _noise_only({}, 1)
+    np.testing.assert_array_equal(first, _noise_only({}, 1, reseed=99))
+    assert first.std() == pytest.approx(2.0, rel=0.25)
+    assert not np.allclose(first, _noise_only({}, 2))
+    assert not np.allclose(first, _noise_only({}, 1, partition=1))
+
+
+def test_owner_noise_seeds_do_not_repeat_over_many_rounds():
+    cfg = namespaced_config(dict(RC, **{"jdp.privacy-unit": "owner", "jdp.noise-placement": "local",
+                                        "jdp.noise-seed": 5}))
+    model = _net(0)
+    split = split_parameters(model, cfg.effective_personal_rule)
+    draws = {tuple(np.round(JointDPClient._owner_release(cfg, model, split, _loader(), lambda m, ld: None, 1.0,
+                                                         owner_generator(cfg, r, 0))["body.bias"], 6))
+             for r in range(1, 61)}
+    assert len(draws) == 60
+
+
+def test_secure_noise_comes_from_the_os_csprng(monkeypatch):
+    calls = []
+    real = mechanisms.secure_gaussian
+
+    def spy(shape, std):
+        calls.append((shape, std))
+        return real(shape, std)
+
+    monkeypatch.setattr(mechanisms, "secure_gaussian", spy)
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "local",
+                                   "jdp.secure-noise": True, "jdp.clipping-norm": 0.5})
+    _setup(app, ctx)
+    _release(jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 2.0, 1.0, 1), ctx, _net(2), loader,
+                       lambda m, ld: None))
+    assert sorted(calls) == [((64,), 1.0), ((64, 4), 1.0)]
 
 
 def test_a_non_finite_owner_update_is_an_error_reply_not_a_release():
@@ -242,10 +296,12 @@ def test_load_fits_the_personal_layers_once_per_broadcast_with_the_shared_ones_f
     assert trained_rounds(ctx, 0, "s1") == 0  # an evaluation fit is not a trained round
     jdp.load(_net(2), _instruction(ctx, shared, 1.0, 1.0, 1), ctx, fit=fit)
     assert len(calls) == 1  # same broadcast: not fitted again
+    jdp.load(_net(2), _instruction(ctx, _arrays(_net(3), "body."), 1.0, 1.0, 1), ctx, fit=fit)
+    assert len(calls) == 2  # a new broadcast: fitted on it
     owner = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "central"})
     _setup(owner[0], owner[2])
     owner[1].load(_net(2), _instruction(owner[2], shared, 1.0, 1.0, 1), owner[2], fit=fit)
-    assert len(calls) == 1  # owner unit: the personal layers are trained with the rest
+    assert len(calls) == 2  # owner unit: the personal layers are trained with the rest
 
 
 def test_a_fit_that_makes_personal_values_non_finite_is_named():
@@ -286,6 +342,7 @@ def test_the_user_unit_needs_one_user_id_per_record(kwargs, match):
     app, _, ctx, _ = _node({"jdp.privacy-unit": "user"}, **kwargs)
     setup, _ = _setup(app, ctx)
     assert setup.has_error() and __import__("re").search(match, setup.error.reason)
+    assert setup.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
 
 def test_user_ids_are_renumbered_to_0_to_k_minus_1():
@@ -320,7 +377,9 @@ def test_a_broadcast_that_does_not_match_the_model_is_refused():
 def test_public_values_missing_after_a_restart_are_named():
     app, jdp, ctx, loader = _node({})
     reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 5), ctx, _net(2), loader, _sgd())
-    assert reply.has_error() and "restart the run" in reply.error.reason
+    assert reply.has_error() and reply.error.reason == (
+        "the public initial personal values from the set-up are missing (the node restarted after the "
+        "set-up?): restart the run")
     _setup(app, ctx, public={"head.weight": np.zeros((2, 64), np.float32)})
     reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 5), ctx, _net(2), loader, _sgd())
     assert reply.has_error() and "head.bias" in reply.error.reason
@@ -352,12 +411,14 @@ def test_a_refused_instruction_trains_nothing_and_keeps_no_state():
     reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 0.0, 0.2, 5), ctx, _net(2), loader,
                       lambda m, ld: calls.append(1))
     assert reply.has_error() and reply.error.reason.startswith("refused: ")
+    assert reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
     assert calls == [] and personal_key(0) not in ctx.state
     bad_rule = _node({"jdp.personal-layers": "^nothing\\."})
     _setup(bad_rule[0], bad_rule[2])
     reply = bad_rule[1].train(_instruction(bad_rule[2], _arrays(_net(1), "body."), 1.0, 0.2, 5), bad_rule[2],
                               _net(2), loader, _sgd())
     assert reply.has_error() and "jdp.personal-layers" in reply.error.reason
+    assert reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
 
 def test_setup_without_public_values_keeps_none():
@@ -366,3 +427,186 @@ def test_setup_without_public_values_keeps_none():
     query = Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=7, message_type=MessageType.QUERY)
     assert app(query, ctx).has_content() and PUBLIC_KEY not in ctx.state
     assert not isinstance(ctx.state.get(PUBLIC_KEY), ArrayRecord)
+
+
+# ------------------------------------------------------------------ the node's state-dir
+def test_personal_state_and_the_owners_ledger_are_kept_in_the_sessions_folder(tmp_path):
+    node = {"partition-id": 0, "num-partitions": 1, "state-dir": str(tmp_path)}
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "local"}, node_config=node)
+    _setup(app, ctx)
+    starts = []
+
+    def fn(net, loader_):
+        starts.append(_arrays(net, "head."))
+        _sgd(0.5)(net, loader_)
+
+    _release(jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 2.0, 1.0, 1, rnd=1), ctx, _net(2), loader, fn))
+    saved = load_personal_arrays(ctx, 0, "s1")
+    assert sorted(p.name for p in (tmp_path / "s1").iterdir()) == ["ledger-0.json", "personal-0.npz"]
+    # the node restarts (a fresh context.state, the same state-dir): the owner continues
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "local"}, node_config=node)
+    _release(jdp.train(_instruction(ctx, _arrays(_net(3), "body."), 2.0, 1.0, 1, rnd=2), ctx, _net(4), loader, fn))
+    np.testing.assert_array_equal(starts[1]["head.weight"], saved["head.weight"])
+    assert trained_rounds(ctx, 0, "s1") == 2
+    assert '"round": 2' in (tmp_path / "s1" / "ledger-0.json").read_text()
+
+
+def test_an_evaluation_fit_is_kept_on_disk_and_not_repeated_after_a_restart(tmp_path):
+    node = {"partition-id": 0, "num-partitions": 1, "state-dir": str(tmp_path)}
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"},
+                                  node_config=node)
+    _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+    calls = []
+
+    def fit(m):
+        calls.append(1)
+        _sgd(0.5)(m, loader)
+
+    fitted = jdp.load(_net(2), _instruction(ctx, shared, 1.0, 1.0, 1), ctx, fit=fit)
+    assert (tmp_path / "s1" / "personal-0.npz").is_file()
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"},
+                                  node_config=node)
+    again = jdp.load(_net(5), _instruction(ctx, shared, 1.0, 1.0, 1), ctx, fit=fit)
+    assert calls == [1]
+    np.testing.assert_array_equal(again.head.weight.detach().numpy(), fitted.head.weight.detach().numpy())
+
+
+def test_user_ids_are_asked_with_the_nodes_context():
+    per_partition = {0: [i // 4 for i in range(N)], 1: [i // 2 for i in range(N)]}
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "user", "jdp.records-per-user": 4},
+                                  user_ids=lambda c: per_partition[int(c.node_config["partition-id"])])
+    setup, _ = _setup(app, ctx)
+    assert list(setup.content[protocol.SETUP][protocol.NUM_USERS]) == [10]
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 2.0, 0.2, 5), ctx, _net(2), loader, _sgd())
+    assert reply.has_content(), reply.error.reason
+
+
+# ------------------------------------------------------------------ the private round's settings
+def test_record_noise_is_reproducible_under_a_noise_seed_whatever_the_global_rng():
+    def release(reseed):
+        app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "local",
+                                       "jdp.noise-seed": 3})
+        _setup(app, ctx)
+        shared, model = _arrays(_net(1), "body."), _net(2)
+        torch.manual_seed(reseed)
+        return _release(jdp.train(_instruction(ctx, shared, 2.0, 0.2, 5), ctx, model, loader, _sgd()))
+
+    a, b = release(0), release(1)
+    for n in a:
+        np.testing.assert_array_equal(a[n], b[n])
+
+
+def test_the_users_loop_draws_secure_noise_when_asked(monkeypatch):
+    calls = []
+    real = mechanisms.secure_gaussian
+    monkeypatch.setattr(mechanisms, "secure_gaussian", lambda shape, std: calls.append(std) or real(shape, std))
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "local",
+                                   "jdp.secure-noise": True})
+    _setup(app, ctx)
+    _release(jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 2.0, 0.2, 5), ctx, _net(2), loader, _sgd()))
+    assert calls and set(calls) == {2.0}  # z C per step, every step
+
+
+def test_a_sum_reduced_loss_gives_the_same_per_record_gradients():
+    """loss_reduction="sum": the user's loss sums over the batch; the release (q = 1,
+    central, C large enough that nothing is clipped) is the sum of per-record gradients."""
+    app = ClientApp()
+    loader = _loader()
+    jdp = JointDPClient(app, model_fn=Wide, train_data=lambda ctx: loader, loss_reduction="sum")
+    ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 1}, state=RecordDict(),
+                  run_config=dict(RC, **{"jdp.privacy-unit": "record", "jdp.noise-placement": "central",
+                                         "jdp.clipping-norm": 1e6}))
+    _, public = _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+
+    def summed(net, loader_):
+        opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
+        for x, y in loader_:
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y, reduction="sum").backward()
+            opt.step()
+
+    release = _release(jdp.train(_instruction(ctx, shared, 1.0, 1.0, 1), ctx, _net(2), loader, summed))
+    want = _per_sample_clipped_sum(shared, public, loader, 1e6)
+    for n in want:
+        np.testing.assert_allclose(release[n], want[n], rtol=1e-4, atol=1e-6)
+
+
+def test_central_noise_takes_one_batch_whatever_the_instruction_says():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"})
+    _setup(app, ctx)
+    batches = []
+
+    def fn(net, loader_):
+        batches.append(len(loader_))
+        _sgd()(net, loader_)
+
+    _release(jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 3), ctx, _net(2), loader, fn))
+    assert batches == [5, 1]  # the personal fit on the user's loader, then one private batch
+
+
+def test_a_central_round_without_a_step_releases_zeros_of_the_shared_shapes():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"})
+    _setup(app, ctx)
+    calls = []
+
+    def fn(net, loader_):
+        calls.append(1)
+        if len(calls) == 1:
+            _sgd()(net, loader_)  # the personal fit; no step in the private round
+
+    release = _release(jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 1), ctx, _net(2),
+                                 loader, fn))
+    assert {n: v.shape for n, v in release.items()} == {"body.weight": (64, 4), "body.bias": (64,)}
+    assert not any(v.any() for v in release.values())
+
+
+def test_a_non_finite_release_is_an_error_reply():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "local"})
+    _setup(app, ctx)
+    calls = []
+
+    def fn(net, loader_):
+        calls.append(1)
+        _sgd(0.1 if len(calls) == 1 else float("inf"))(net, loader_)  # a fine fit, a diverging release
+
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 2.0, 0.2, 5), ctx, _net(2), loader, fn)
+    assert reply.has_error() and "the release has non-finite values in ['body." in reply.error.reason
+    assert personal_key(0) not in ctx.state
+
+
+def test_the_personal_fit_is_not_repeated_on_the_same_broadcast():
+    app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"})
+    _setup(app, ctx)
+    shared = _arrays(_net(1), "body.")
+    calls = []
+
+    def fn(net, loader_):
+        calls.append(len(loader_))
+        _sgd()(net, loader_)
+
+    for rnd in (1, 2):
+        _release(jdp.train(_instruction(ctx, shared, 1.0, 1.0, 1, rnd=rnd), ctx, _net(2), loader, fn))
+    assert calls == [5, 1, 1]  # round 2: the same broadcast, the personal layers already fitted on it
+
+
+class WithScalar(Wide):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+
+def test_the_server_accepts_the_shapes_the_client_reports_also_for_a_scalar():
+    from flwr_jdp.joint_dp.strategy import JointDP
+    from flwr_jdp.joint_dp.validation import spec_of
+
+    app = ClientApp()
+    JointDPClient(app, model_fn=WithScalar, train_data=lambda ctx: _loader())
+    ctx = _node({})[2]
+    setup, _ = _setup(app, ctx)
+    rec = setup.content[protocol.SETUP]
+    assert "scalar" in list(rec[protocol.PARAM_SHAPES])
+    server = JointDP()
+    server.model_spec = spec_of(ArrayRecord(dict(WithScalar().named_parameters())))
+    server._check_dropin_model(list(rec[protocol.PARAM_NAMES]), list(rec[protocol.PARAM_SHAPES]), 7)

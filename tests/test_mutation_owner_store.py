@@ -92,6 +92,12 @@ def test_a_restarted_node_reads_its_personal_state_back_from_its_state_dir(tmp_p
     assert trained_rounds(restored, 4, "sess1") == 1  # (the count lives with context.state first)
 
 
+def test_a_state_dir_that_does_not_exist_yet_is_created(tmp_path):
+    node = {"state-dir": str(tmp_path / "not" / "yet")}
+    save_personal_arrays(_ctx(node), 1, _arrays(5), "s9")
+    _same(load_personal_arrays(_ctx(node), 1, "s9"), _arrays(5))
+
+
 def test_state_is_written_to_disk_only_for_a_plain_session_id(tmp_path):
     for session in ("", "../up", "a/b"):
         ctx = _ctx({"state-dir": str(tmp_path)})
@@ -183,7 +189,7 @@ def test_each_owner_checks_and_charges_its_own_ledger_before_training(tmp_path):
     for o in (1, 2):
         agreed = agreed_release(cfg, sizes[o])
         ledger = load_owner_ledger(ctx, o, "s", agreed, "record")
-        assert ledger.releases == 1 and ledger.epsilon() > 0
+        assert ledger.releases == 1 and ledger.epsilon() > 0 and ledger.ledger.unit == "record"
         on_disk = json.loads((tmp_path / "s" / f"ledger-{o}.json").read_text())
         assert [r["round"] for r in on_disk["rounds"]] == [1] and on_disk["rounds"][0]["note"] == "session s"
         assert load_owner_ledger(_ctx({"state-dir": str(tmp_path)}), o, "s", agreed, "record").releases == 1
@@ -195,6 +201,12 @@ def test_each_owner_checks_and_charges_its_own_ledger_before_training(tmp_path):
     for o in (1, 2):
         assert load_owner_ledger(ctx, o, "s", agreed_release(cfg, sizes[o]), "record").releases == 1
     assert load_owner_ledger(_ctx(), 1, "s", agreed_release(cfg, sizes[1]), "record").releases == 0
+    # the node restarts: each owner's ledger is read back from its state-dir before the next charge
+    restarted = _ctx({"state-dir": str(tmp_path)})
+    charge_owners(cfg, restarted, sizes, {o: dataclasses.replace(i, server_round=2) for o, i in ok.items()}, "s")
+    for o in (1, 2):
+        on_disk = json.loads((tmp_path / "s" / f"ledger-{o}.json").read_text())
+        assert [r["round"] for r in on_disk["rounds"]] == [1, 2]
 
 
 def test_an_owner_stops_at_its_budget_and_a_node_cap_lowers_it():
@@ -296,6 +308,7 @@ def test_public_personal_values_are_seeded_or_a_zero_head(tiny_model):
     head = tuple(model.HEAD_PREFIXES)
     assert head and any(n.startswith(head) for n in zero) and any(not n.startswith(head) for n in zero)
     for n, v in zero.items():
+        assert v.shape == seeded[n].shape and v.dtype == seeded[n].dtype
         if n.startswith(head):
             assert not v.any()
         else:
@@ -311,3 +324,26 @@ def test_the_initial_model_split_allows_no_personal_layer_only_outside_joint_dp(
     with pytest.raises(ValueError):
         split_parameters(model, "^nothing$")
     assert isinstance(protocol.to_record(_arrays()), ArrayRecord)
+
+
+def test_an_evaluation_save_records_the_fit_but_no_trained_round(tiny_model):
+    cfg = parse_config({"num-owners": 8})
+    model, split = owner_state.new_model(cfg, tiny_model)
+    ctx = _ctx()
+    owner_state.save_personal(ctx, 6, model, split, fit_on="d1")
+    owner_state.save_personal(ctx, 6, model, split, fit_on="d2", count_round=False)
+    assert trained_rounds(ctx, 6) == 1 and personal_fit_on(ctx, 6) == "d2"
+
+
+def test_owners_data_is_read_as_the_run_config_says(monkeypatch):
+    """The node's data-dir, the seed and every partition setting reach the loaders."""
+    seen = {}
+    monkeypatch.setattr(owner_state, "load_partitions", lambda *a: seen.setdefault("partitions", a))
+    monkeypatch.setattr(owner_state, "load_dataset",
+                        lambda *a: seen.setdefault("dataset", a) and type("D", (), {"num_classes": 7})())
+    cfg = parse_config({"num-owners": 5, "seed": 9, "data-dir": "/data/here", "classes-per-owner": 3,
+                        "validation-fraction": 0.2})
+    owner_state.owner_data(cfg)
+    assert seen["partitions"] == (cfg.dataset, "/data/here", 5, 3, cfg.max_records, cfg.records_per_user, 9,
+                                  cfg.partitioner, 0.2, cfg.validation_source)
+    assert owner_state.num_classes(cfg) == 7 and seen["dataset"] == (cfg.dataset, "/data/here", 9)

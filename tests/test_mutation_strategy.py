@@ -20,17 +20,17 @@ from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule, calibrate_sche
 from flwr_jdp.joint_dp.strategy import JointDP
 from flwr_jdp.joint_dp.validation import NORM_SLACK, max_sampled_units, spec_of
 from flwr_jdp.privacy import events as ev
-from flwr_jdp.privacy.ledger import SERVER_SCOPE, owner_scope
+from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger, owner_scope
 
 SHAPES = {"w": (40, 50), "b": (50,)}  # 2050 numbers: a std measured to ~3%
 
 
-def _strategy(tmp_path, sizes, nodes=None, z=2.0, current=None, inner=None, **extra):
+def _strategy(tmp_path, sizes, nodes=None, z=2.0, current=None, inner=None, ledger=None, **extra):
     """A JointDP as ``start`` leaves it after the set-up: owners ``sizes`` (owner ->
     records), hosted on ``nodes`` (owner -> node; default one node per owner)."""
     cfg = parse_config({"noise-multiplier": z, "results-dir": str(tmp_path), "num-owners": len(sizes),
                         "noise-seed": 3, "accountant": "rdp", **extra})
-    strategy = JointDP(cfg, inner=inner)
+    strategy = JointDP(cfg, inner=inner, ledger=ledger)
     strategy.sizes = {o: OwnerSize(n, max(1, n // 2)) for o, n in sizes.items()}
     strategy.owner_node = dict(nodes or {o: 100 + o for o in sizes})
     strategy.schedule = build_schedule(cfg, strategy.sizes)
@@ -203,6 +203,7 @@ def test_each_round_is_charged_before_its_instructions_leave_with_its_own_z_and_
     InProcessGrid(None, 0, {})
     messages = list(strategy.configure_train(4, strategy._current, ConfigRecord({"lr": 0.1}), None))
     assert [r["round"] for r in strategy.ledger.rounds] == [4]  # charged when the messages exist
+    assert strategy.ledger.rounds[0]["note"] == "3 owners"
     assert sorted(m.metadata.dst_node_id for m in messages) == [7, 9]
     by_node = {m.metadata.dst_node_id: m.content[protocol.CONFIG] for m in messages}
     assert list(by_node[7][protocol.OWNERS]) == [0, 1] and list(by_node[9][protocol.OWNERS]) == [2]
@@ -233,15 +234,19 @@ def test_grad_sum_instructions_ask_one_step_at_the_servers_rate(tmp_path):
 
 
 def test_a_round_over_the_budget_is_refused_and_not_charged(tmp_path):
-    strategy = _strategy(tmp_path, {0: 40, 1: 40}, z=3.0, **{
-        "privacy-unit": "owner", "noise-placement": "local", "target-epsilon": 3.0})
-    InProcessGrid(None, 0, {})
-    rounds = 0
-    with pytest.raises(PrivacyBudgetExhausted, match="target-epsilon=3.0"):
-        for rounds in range(1, 50):
-            strategy.configure_train(rounds, strategy._current, ConfigRecord(), None)
-    assert len(strategy.ledger.rounds) == rounds - 1 >= 1
-    assert strategy.ledger.epsilon() <= 3.0
+    """Also with a ledger of a larger budget of its own: the run's target-epsilon caps it."""
+    for ledger in (None, PrivacyLedger(delta=1e-5, accountant="rdp", unit="owner", budget=None)):
+        strategy = _strategy(tmp_path, {0: 40, 1: 40}, z=3.0, ledger=ledger, **{
+            "privacy-unit": "owner", "noise-placement": "local", "target-epsilon": 3.0})
+        InProcessGrid(None, 0, {})
+        rounds = 0
+        with pytest.raises(PrivacyBudgetExhausted, match="target-epsilon=3.0") as refused:
+            for rounds in range(1, 50):
+                strategy.configure_train(rounds, strategy._current, ConfigRecord(), None)
+        assert len(strategy.ledger.rounds) == rounds - 1 >= 1
+        assert strategy.ledger.epsilon() <= 3.0
+        spent = float(str(refused.value).split("would spend epsilon=")[1].split(" ")[0])
+        assert spent > 3.0  # the epsilon the refused round would have reached
 
 
 def test_configure_train_outside_start_is_refused(tmp_path):
@@ -340,3 +345,35 @@ def test_the_inner_strategy_steps_on_the_dp_aggregate_and_keeps_the_dtype(tmp_pa
     assert w.dtype == np.float32 and set(adam.keys()) == set(SHAPES)
     # one Adam step from `current` towards the aggregate: +eta (bias uncorrected: <= eta)
     assert np.all(w > 1.0) and np.all(w <= 1.0 + 0.1 + 1e-6)
+
+
+def test_each_dropped_reply_is_logged_with_its_owner_node_and_cause(tmp_path, caplog):
+    """The operator's account of a round: which owner (and node) was dropped and why
+    (no reply, refused by the owner, an error reply, an invalid reply)."""
+    import logging
+
+    from flwr.app import Error
+    from flwr.common.constant import ErrorCode
+
+    strategy = _strategy(tmp_path, {o: 5 for o in range(4)}, **{
+        "privacy-unit": "owner", "noise-placement": "local", "min-valid-fraction": 0.0})
+    InProcessGrid(None, 0, {})
+    messages = {m.metadata.dst_node_id: m for m in
+                strategy.configure_train(1, strategy._current, ConfigRecord(), None)}
+    replies = [
+        Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="refused: too little noise"),
+                reply_to=messages[101]),
+        Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="out of memory"), reply_to=messages[102]),
+        *_replies(strategy, [messages[103]], {3: {"w": np.zeros(3, np.float32)}}),
+    ]
+    with caplog.at_level(logging.WARNING):
+        strategy.aggregate_train(1, replies)
+    lines = [r.getMessage() for r in caplog.records if "dropped reply" in r.getMessage()]
+    assert len(lines) == 4
+    causes = {0: "no reply within round-timeout", 1: "refused by the owner", 2: "error reply", 3: "invalid reply"}
+    for o, cause in causes.items():
+        (line,) = [x for x in lines if x.startswith(f"round 1: dropped reply of owner {o} (node {100 + o}), ")]
+        rest = line.split(", ", 1)[1]
+        assert rest.startswith(cause + ": ")  # then validate_replies' reason, naming the owner or node
+        assert f"owner {o}:" in rest or f"owner {o} (" in rest or f"node {100 + o} " in rest
+    assert any(x.endswith("refused: too little noise") for x in lines)

@@ -242,6 +242,11 @@ def test_priv_altmin_release_noise_std_is_the_recorded_events(monkeypatch):
         iu = np.triu_indices(mats.shape[1])
         _check_std(mats[:, iu[0], iu[1]], z * s, what=f"Priv-AltMin {name}")
     _check_std(np.stack(released["b"]), zs["b"] * s_b, what="Priv-AltMin b")
+    whole = PrivacyLedger(delta=cfg.delta, unit="user", accountant="rdp")
+    for rnd in (0, 1):
+        strategy.ledger = whole
+        strategy._charge(rnd, events)  # noqa: SLF001
+    assert whole.epsilon() <= cfg.target_epsilon * (1 + 1e-6)  # the noise measured is the noise calibrated
 
 
 # ---------------------------------------------------------------- winsorized mean
@@ -359,6 +364,40 @@ def test_subject_level_silo_noise_std_is_the_recorded_events(method):
     train_silo_round(model, data, plan, torch.Generator().manual_seed(0))
     expected = cfg.learning_rate * z * cfg.clipping_norm * math.sqrt(cfg.local_steps) / (q * records)
     _check_std(model.weight.detach().numpy(), expected, what=f"subject-level {method}")
+
+
+def test_subject_level_user_ldp_noise_std_is_the_recorded_event():
+    """The user-level local-DP baseline (``user-ldp``): each step adds ``N(0, (z 2C)^2)``
+    to the clipped batch-mean gradient, with ``z`` the Gaussian of the event charged
+    for every subject; on zero gradients the weights move by ``lr z 2C sqrt(steps)``."""
+    from flwr_jdp.subject.config import SubjectDPConfig
+    from flwr_jdp.subject.plan import make_plan
+    from flwr_jdp.subject.silo_data import SiloData
+    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
+    from flwr_jdp.training.subject_level import SiloPlan, train_silo_round
+
+    records, subjects_per_silo = 60, 12
+    counts = np.zeros((subjects_per_silo * 2, 2), dtype=np.int64)
+    counts[:subjects_per_silo, 0] = records // subjects_per_silo
+    counts[subjects_per_silo:, 1] = records // subjects_per_silo
+    cfg = SubjectDPConfig(method="user-ldp", accounting="exact", target_epsilon=4.0, budget_rounds=3,
+                          batch_size=15, local_steps=2, learning_rate=0.5, clipping_norm=0.3,
+                          num_silos=2, results_dir="", noise_multiplier=1.3, max_records_per_subject=0)
+    strategy = SubjectLevelFedAvg(cfg, nn.Linear(4, 2), accountant="rdp")
+    strategy.counts, strategy.plan = counts, make_plan(cfg, counts, accountant="rdp")
+    leaves = [leaf for e in strategy.round_events().values() for leaf in _leaves(_to_dict(e))]
+    assert leaves and {leaf[0] for leaf in leaves} == {"GaussianDpEvent"}
+    ((z,),) = {(leaf[1],) for leaf in leaves}
+    assert z == 1.3
+    subject = np.repeat(np.arange(subjects_per_silo), records // subjects_per_silo)
+    data = SiloData.from_numpy(np.zeros((records, 4)), np.zeros(records, dtype=int), subject)
+    model = nn.Linear(4, 3000, bias=False)
+    nn.init.zeros_(model.weight)
+    plan = SiloPlan(cfg.method, strategy.plan.sample_rates[0], cfg.local_steps, cfg.learning_rate,
+                    cfg.clipping_norm, z)
+    train_silo_round(model, data, plan, torch.Generator().manual_seed(0))
+    expected = cfg.learning_rate * z * 2 * cfg.clipping_norm * math.sqrt(cfg.local_steps)
+    _check_std(model.weight.detach().numpy(), expected, what="subject-level user-ldp")
 
 
 def _to_dict(event):  # noqa: ANN001, ANN202

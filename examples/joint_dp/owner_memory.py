@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 from flwr.app import Context, RecordDict
-from flwr_jdp.joint_dp import owner_state
 
+from flwr_jdp.joint_dp import owner_state
 from flwr_jdp.joint_dp.config import parse_config
 
 # research/ (the reproductions' code) is not installed: import it from the repository root
