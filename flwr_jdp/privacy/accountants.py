@@ -120,6 +120,8 @@ def _base_pld(event_json: str, relation: str = "add-remove",
     acc = PLDAccountant(neighboring_relation=rel,
                         value_discretization_interval=discretization)
     acc.compose(ev.from_dict(json.loads(event_json)))
+    if acc._contains_non_dp_event:  # noqa: SLF001 - e.g. a Gaussian with no noise
+        return None  # not DP at any epsilon: its privacy loss distribution is empty
     return acc._pld  # noqa: SLF001 - the composed PrivacyLossDistribution
 
 
@@ -127,6 +129,8 @@ def _base_pld(event_json: str, relation: str = "add-remove",
 def _self_composed_pld(event_json: str, count: int, relation: str = "add-remove",
                        discretization: float = PLD_DISCRETIZATION):
     pld = _base_pld(event_json, relation, discretization)
+    if pld is None:
+        return None
     return pld.self_compose(count) if count > 1 else pld
 
 
@@ -140,6 +144,8 @@ def _cached_epsilon(event_json: str, delta: float, accountant: str,
     total = None
     for base, count in sorted(base_counts(event).items()):
         pld = _self_composed_pld(base, count, relation, discretization)
+        if pld is None:  # a release that is not DP (no noise): no finite epsilon
+            return math.inf
         total = pld if total is None else total.compose(pld)
     if total is None:
         return 0.0

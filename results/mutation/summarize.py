@@ -52,6 +52,46 @@ SELECTED = (
     "flwr_jdp.joint_dp.client",
     "flwr_jdp.joint_dp.owner_state",
     "flwr_jdp.joint_dp.owner_store",
+    # The generic accounting: events, both backends, calibration, the ledger and
+    # horizontal composition (subject-level DP).
+    "flwr_jdp.privacy.ledger",
+    "flwr_jdp.privacy.calibration",
+    "flwr_jdp.privacy.accountants",
+    "flwr_jdp.privacy.events",
+    "flwr_jdp.privacy.rdp",
+    "flwr_jdp.privacy.horizontal",
+    # DP-MTL: the release (noise calibration, events) and the server's sampling, noisy
+    # mean, charge and reply checks.
+    "flwr_jdp.mtl.noise",
+    "flwr_jdp.mtl.algorithm.xǁMeanServerǁ__init__",
+    "flwr_jdp.mtl.algorithm.xǁMeanServerǁsample",
+    "flwr_jdp.mtl.algorithm.xǁMeanServerǁnoisy_mean",
+    "flwr_jdp.mtl.strategy.xǁDPMeanRegularizedMTLǁ_plan",
+    "flwr_jdp.mtl.strategy.xǁDPMeanRegularizedMTLǁconfigure_train",
+    "flwr_jdp.mtl.strategy.xǁDPMeanRegularizedMTLǁaggregate_train",
+    # Subject-level DP: the plan (worst-case counts, rates, z), the per-subject cap,
+    # the silos' DP training, and the server's charge, instruction and averaging.
+    "flwr_jdp.subject.plan",
+    "flwr_jdp.subject.silos",
+    "flwr_jdp.training.subject_level",
+    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁround_events",
+    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁ_train_messages",
+    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁ_collect",
+    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁconfigure_train",
+    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁaggregate_train",
+    # Priv-AltMin: its Gaussian releases, the charge and the noisy aggregation.
+    "flwr_jdp.altmin.release",
+    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁconfigure_train",
+    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁ_valid",
+    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁaggregate_train",
+    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁround_releases",
+    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁrelease_events",
+    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁ_charge",
+    # The winsorized user-level mean: the estimator and the strategy's aggregation.
+    "flwr_jdp.winsorized.estimator",
+    "flwr_jdp.winsorized.strategy.xǁDifferentialPrivacyWinsorizedMeanǁconfigure_train",
+    "flwr_jdp.winsorized.strategy.xǁDifferentialPrivacyWinsorizedMeanǁ_update",
+    "flwr_jdp.winsorized.strategy.xǁDifferentialPrivacyWinsorizedMeanǁaggregate_train",
 )
 
 
