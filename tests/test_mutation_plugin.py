@@ -1,9 +1,9 @@
 """A pytest plugin for mutation testing (``mutmut run``; docs/mutation.md).
 
 Loaded by ``[tool.mutmut] pytest_add_cli_args`` (``-p tests.test_mutation_plugin``):
-before each test it puts Flower's logger in one state (see
-:func:`pytest_runtest_setup`). In a plain ``pytest`` run it is collected and does
-nothing else.
+before each test it puts Flower's logger in one state and empties the per-process
+caches of the mutated accounting code (see :func:`pytest_runtest_setup`). In a plain
+``pytest`` run it is collected and does nothing else.
 """
 
 from __future__ import annotations
@@ -19,6 +19,33 @@ def pytest_runtest_setup(item):
     import logging
 
     logging.getLogger("flwr").propagate = False
+    clear_caches()
+
+
+#: Per-process caches (``functools.lru_cache``) of mutated code: a test that finds its
+#: value cached by an earlier test never calls the function, so mutmut's coverage
+#: pass would not link the test to it, and a mutant's run could read a value the
+#: unmutated code computed. Emptied before every test under mutmut.
+CACHED = (
+    ("flwr_jdp.privacy.accountants", ("_base_pld", "_self_composed_pld", "_cached_epsilon")),
+    ("flwr_jdp.privacy.events", ("_canonical_cached",)),
+    ("flwr_jdp.privacy.rdp", ("_base_rdp",)),
+    ("flwr_jdp.privacy.horizontal", ("sqrt_rounds",)),
+    ("flwr_jdp.joint_dp.owner_state", ("_initial_model",)),
+)
+
+
+def clear_caches() -> int:
+    """Empty the caches of :data:`CACHED`; returns how many were emptied."""
+    import importlib
+
+    emptied = 0
+    for module, names in CACHED:
+        mod = importlib.import_module(module)
+        for name in names:
+            getattr(mod, name).cache_clear()
+            emptied += 1
+    return emptied
 
 
 def test_plugin_hook_sets_one_logger_state():
@@ -27,3 +54,15 @@ def test_plugin_hook_sets_one_logger_state():
     logging.getLogger("flwr").propagate = True
     pytest_runtest_setup(None)
     assert logging.getLogger("flwr").propagate is False
+
+
+def test_plugin_empties_the_accounting_caches():
+    import dp_accounting as dpa
+
+    from flwr_jdp.privacy import accountants
+
+    accountants.epsilon(dpa.GaussianDpEvent(3.0), 1e-5)
+    assert accountants._cached_epsilon.cache_info().currsize > 0
+    assert clear_caches() == 7
+    assert accountants._cached_epsilon.cache_info().currsize == 0
+    assert accountants._base_pld.cache_info().currsize == 0

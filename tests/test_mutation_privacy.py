@@ -558,3 +558,58 @@ def test_a_release_without_noise_costs_infinite_epsilon_with_every_accountant():
     assert ledger.would_exceed({"a": G(0.0)})
     ledger.record("a", G(0.0))
     assert ledger.epsilon() == math.inf
+
+
+def test_ledger_details_a_survivor_check_found():
+    ledger = PrivacyLedger(delta=DELTA, accountant="rdp", unit="user")
+    ledger.record("a", G(3.0))
+    both = acc.epsilon(dpa.ComposedDpEvent([G(3.0), G(2.0)]), DELTA, "rdp")
+    assert ledger.scope_epsilon("a", G(2.0)) == pytest.approx(both, rel=1e-12)
+    assert ledger.scope_epsilon("a") == pytest.approx(acc.epsilon(G(3.0), DELTA, "rdp"), rel=1e-12)
+    # an RDP ledger round-trips (its accountant is read back, not defaulted)
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "two" / "levels" / "ledger.json"  # parent folders are created
+        ledger.save(path)
+        back = PrivacyLedger.load(path)
+    assert back.accountant == "rdp" and back.epsilon() == ledger.epsilon()
+    # the refusal names the value on disk and this run's
+    other = PrivacyLedger(delta=DELTA, accountant="pld", unit="user")
+    with pytest.raises(ValueError, match=r"^ledger on disk has accountant='rdp', this run has accountant='pld'$"):
+        other.load_state_dict(ledger.state_dict())
+    old = {k: v for k, v in ledger.state_dict().items() if k != "neighbouring"}
+    ro = PrivacyLedger(delta=DELTA, accountant="rdp", unit="user", neighbouring="replace-one")
+    with pytest.raises(ValueError, match=r"^ledger on disk has neighbouring='add-remove', this run has "
+                                         r"neighbouring='replace-one'$"):
+        ro.load_state_dict(old)
+
+
+def test_horizontal_details_a_survivor_check_found():
+    from flwr_jdp.privacy.horizontal import (
+        HorizontalAccountant,
+        SiloRelease,
+        pareto_maximal,
+        subject_inclusion_rate,
+    )
+
+    assert subject_inclusion_rate(1.0, 0) == 0.0  # no record: never sampled, whatever the rate
+    assert pareto_maximal(np.zeros((0, 2), dtype=np.int64)).dtype == np.int64
+    assert HorizontalAccountant(np.array([[1.0, 2.0]]), DELTA).counts.dtype == np.int64
+    with pytest.raises(ValueError, match=r"^counts must be a \(subjects, silos\) array of non-negative ints$"):
+        HorizontalAccountant(np.array([[1, -1]]), DELTA)
+    counts = np.array([[1, 0, 0], [2, 1, 0], [1, 0, 0], [0, 0, 3]])
+    rel = [SiloRelease(1.0, 3.0, 2), SiloRelease(1.0, 3.0, 2), SiloRelease(0.5, 1.0, 2)]
+    for accountant in ("rdp", "pld"):
+        a = HorizontalAccountant(counts, DELTA, accountant)
+        subject, eps = a.worst_subject(rel, 1)  # the second candidate is the worst
+        assert subject == 3
+        assert eps == pytest.approx(acc.epsilon(rel[2].subject_event(3, 1), DELTA, accountant), rel=1e-9)
+    # a target reached below z = 1: exact calibration does not start from 1
+    a = HorizontalAccountant(counts, DELTA, "rdp")
+
+    def releases_of(z):
+        return [SiloRelease(1.0, z, 1) for _ in range(3)]
+
+    z = a.calibrate(20.0, 1, releases_of)
+    assert z < 1.0 and 20.0 * 0.99 <= a.epsilon(releases_of(z), 1) <= 20.0

@@ -1950,3 +1950,23 @@ def test_winsorized_aggregate_train_skips_a_round_with_other_than_n_valid_update
     new, _ = w.aggregate_train(1, iter(replies))
     assert np.array_equal(new["w"].numpy(), np.array([0.5, -0.5, 0.25]))
     assert np.array_equal(est.calls[0][0], np.array([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]))
+
+
+def test_altmin_release_details_a_survivor_check_found():
+    with pytest.raises(ValueError, match=r"^noise multiplier must be >= 0$"):
+        GaussianRelease(-1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^sensitivity must be a positive finite number$"):
+        GaussianRelease(1.0, 0.0)
+    out = GaussianRelease(0.0, 1.0).release(np.arange(3), np.random.default_rng(0))
+    assert out.dtype == np.float64 and out.tolist() == [0.0, 1.0, 2.0]
+    noisy = GaussianRelease(1.0, 2.0).release(np.zeros(20000), np.random.default_rng(1))  # z = 1 is noised
+    assert noisy.std() == pytest.approx(2.0, rel=0.03)
+
+
+def test_winsorized_mean_of_no_users_says_so():
+    from flwr_jdp.winsorized.estimator import WinsorizedMean
+
+    est = WinsorizedMean(bound=1.0, tau=0.5, range_noise=1.0, mean_noise=1.0)
+    for empty in (np.zeros(0), np.zeros((0, 3))):
+        with pytest.raises(ValueError, match=r"^no users$"):
+            est.estimate(empty, np.random.default_rng(0))

@@ -177,11 +177,11 @@ class WinsorizedMean:
     def estimate(self, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Private mean of the users' ``values`` (shape ``(n,)`` or ``(n, d)``)."""
         x = np.asarray(values, dtype=np.float64)
+        if len(x) == 0:  # before the reshape, which cannot infer a width from no rows
+            raise ValueError("no users")
         scalar = x.ndim == 1
         x = x.reshape(len(x), -1)
         n, d = x.shape
-        if n == 0:
-            raise ValueError("no users")
         rotation = None
         tau, bound = self.tau, self.bound
         if d > 1 and self.rotate:
