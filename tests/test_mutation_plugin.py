@@ -2,8 +2,12 @@
 
 Loaded by ``[tool.mutmut] pytest_add_cli_args`` (``-p tests.test_mutation_plugin``):
 before each test it puts Flower's logger in one state and empties the per-process
-caches of the mutated accounting code (see :func:`pytest_runtest_setup`). In a plain
-``pytest`` run it is collected and does nothing else.
+caches of the mutated accounting code (see :func:`pytest_runtest_setup`). With
+``FLWR_JDP_MUTATION_TESTS`` set (comma-separated test files) it keeps only the tests
+of those files (:func:`pytest_collection_modifyitems`): the accounting modules are
+covered by almost every test, and a survivor there would rerun all of them, so they
+are mutated against their own unit tests (docs/mutation.md). In a plain ``pytest``
+run it is collected and does nothing else.
 """
 
 from __future__ import annotations
@@ -20,6 +24,27 @@ def pytest_runtest_setup(item):
 
     logging.getLogger("flwr").propagate = False
     clear_caches()
+
+
+def scope() -> tuple[str, ...]:
+    """The test files ``FLWR_JDP_MUTATION_TESTS`` names (empty: no restriction)."""
+    import os
+
+    raw = os.environ.get("FLWR_JDP_MUTATION_TESTS", "")
+    return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+
+def pytest_collection_modifyitems(config, items):
+    """(Plugin hook.) Under ``FLWR_JDP_MUTATION_TESTS``, deselect every test outside
+    the files it names."""
+    files = scope()
+    if not files:
+        return
+    keep = [item for item in items if item.nodeid.split("::")[0] in files]
+    drop = [item for item in items if item.nodeid.split("::")[0] not in files]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 #: Per-process caches (``functools.lru_cache``) of mutated code: a test that finds its
@@ -54,6 +79,30 @@ def test_plugin_hook_sets_one_logger_state():
     logging.getLogger("flwr").propagate = True
     pytest_runtest_setup(None)
     assert logging.getLogger("flwr").propagate is False
+
+
+def test_plugin_scope_keeps_only_the_named_files(monkeypatch):
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    class Hook:
+        deselected = []
+
+        def pytest_deselected(self, items):
+            self.deselected.extend(items)
+
+    class Config:
+        hook = Hook()
+
+    items = [Item("tests/test_a.py::t1"), Item("tests/test_b.py::t2"), Item("tests/test_a.py::t3")]
+    monkeypatch.delenv("FLWR_JDP_MUTATION_TESTS", raising=False)
+    pytest_collection_modifyitems(Config(), items)
+    assert len(items) == 3 and not Config.hook.deselected
+    monkeypatch.setenv("FLWR_JDP_MUTATION_TESTS", "tests/test_a.py, tests/test_c.py")
+    pytest_collection_modifyitems(Config(), items)
+    assert [i.nodeid for i in items] == ["tests/test_a.py::t1", "tests/test_a.py::t3"]
+    assert [i.nodeid for i in Config.hook.deselected] == ["tests/test_b.py::t2"]
 
 
 def test_plugin_empties_the_accounting_caches():

@@ -74,6 +74,10 @@ def test_event_codec_round_trips_and_is_canonical():
     composed = dpa.ComposedDpEvent([G(1.0), G(2.0)])  # unhashable: not cached
     assert json.loads(ev.canonical(composed)) == ev.to_dict(composed)
     assert ev.canonical(composed) == json.dumps(json.loads(ev.canonical(composed)), sort_keys=True)
+    # keys sorted (not the attrs field order), so equal events give equal strings
+    assert ev.canonical(poisson(0.1, 1.2)) == ('{"class_name": "PoissonSampledDpEvent", "event": '
+                                               '{"class_name": "GaussianDpEvent", "noise_multiplier": 1.2}, '
+                                               '"sampling_probability": 0.1}')
 
 
 # -------------------------------------------------------------------- accountants
@@ -103,7 +107,8 @@ def test_replace_one_is_add_remove_with_half_the_noise_for_unsampled_releases():
     assert acc.epsilon(sampled, DELTA, "pld", "replace-one") == \
         pytest.approx(pld_reference(sampled, relation="replace-one"), rel=1e-6)
     assert acc.epsilon(sampled, DELTA, "pld", "replace-one") > acc.epsilon(sampled, DELTA, "pld")
-    with pytest.raises(ValueError, match="replace-one"):
+    with pytest.raises(ValueError, match=r"^RDP of Poisson-sampled releases under replace-one is not "
+                       r"supported; use the pld accountant$"):
         acc.epsilon(sampled, DELTA, "rdp", "replace-one")
 
 
@@ -213,8 +218,7 @@ def test_calibration_of_sampled_replace_one_releases_and_its_limits():
 
 
 def test_bisection_and_narrowing_on_a_known_curve():
-    def eps(z: float) -> float:
-        return 1.0 / z
+    eps = _Capped(lambda z: 1.0 / z)
 
     z = cal._bisect(eps, eps, 2.0, 0.001)
     assert 2.0 * (1 - 0.001) <= eps(z) <= 2.0
@@ -226,7 +230,7 @@ def test_bisection_and_narrowing_on_a_known_curve():
     hi = cal._narrow(eps, 0.49999999, 0.50000001, 2.0, 0.0)  # stops on the bracket width
     assert hi == pytest.approx(0.5, abs=1e-7) and eps(hi) <= 2.0
     with pytest.raises(ValueError, match="unreachable"):
-        cal._bisect(lambda z: 1e9, lambda z: 1e9, 1.0, 0.01)
+        cal._bisect(_Capped(lambda z: 1e9), _Capped(lambda z: 1e9), 1.0, 0.01)
 
 
 # ------------------------------------------------------------------------- ledger
@@ -499,6 +503,8 @@ def _curve(monkeypatch, fine_factor: float = 1.0, calls: list | None = None):
 
     def fake(event, delta, backend="pld", relation="add-remove", discretization=acc.PLD_DISCRETIZATION):
         calls.append((backend, discretization))
+        if len(calls) > 5000:  # a search that does not end fails instead of hanging
+            raise RuntimeError("the search does not end")
         value = 1.0 / event.noise_multiplier
         if backend == "rdp":
             return value * 1.5  # RDP: looser
@@ -510,9 +516,11 @@ def _curve(monkeypatch, fine_factor: float = 1.0, calls: list | None = None):
 
 def test_second_stage_keeps_the_coarse_answer_when_the_fine_grid_agrees(monkeypatch):
     calls = _curve(monkeypatch)
-    z = cal.calibrate(2.0, DELTA, G, "pld", rel_tol=0.005)
-    coarse = cal._bisect(lambda s: 1.0 / s, lambda s: 1.5 / s, 2.0, 0.005 / 4.0)
-    assert z == coarse and 2.0 * (1 - 0.005 / 4) <= 1.0 / z <= 2.0
+    # (a target the bracket's end points do not meet exactly, so the tolerance decides)
+    z = cal.calibrate(1.7, DELTA, G, "pld", rel_tol=0.005)
+    coarse = cal._bisect(lambda s: 1.0 / s, lambda s: 1.5 / s, 1.7, 0.005 / 4.0)
+    assert z == coarse and 1.7 * (1 - 0.005 / 4) <= 1.0 / z <= 1.7
+    assert coarse != cal._bisect(lambda s: 1.0 / s, lambda s: 1.5 / s, 1.7, 0.005 / 5.0)
     fine = [c for c in calls if c == ("pld", acc.PLD_DISCRETIZATION)]
     coarse_calls = [c for c in calls if c == ("pld", acc.PLD_COARSE_DISCRETIZATION)]
     assert len(fine) == 2 and coarse_calls  # checked (twice), not searched again
@@ -528,10 +536,12 @@ def test_second_stage_moves_down_when_the_fine_grid_is_tighter(monkeypatch):
 
 
 def test_second_stage_moves_up_when_the_fine_grid_is_looser(monkeypatch):
-    _curve(monkeypatch, fine_factor=1.1)
+    calls = _curve(monkeypatch, fine_factor=1.1)
     z = cal.calibrate(2.0, DELTA, G, "pld", rel_tol=0.005)
     assert 2.0 * (1 - 0.005) <= 1.1 / z <= 2.0
     assert z == pytest.approx(0.55, rel=0.006)
+    # climbs in steps of 1% (10% needs about 10), not by overshooting and coming back
+    assert len([c for c in calls if c == ("pld", acc.PLD_DISCRETIZATION)]) < 20
 
 
 def test_second_stage_limits(monkeypatch):
@@ -613,3 +623,142 @@ def test_horizontal_details_a_survivor_check_found():
 
     z = a.calibrate(20.0, 1, releases_of)
     assert z < 1.0 and 20.0 * 0.99 <= a.epsilon(releases_of(z), 1) <= 20.0
+
+
+# ------------------------------------------------- search and screening logic, on fakes
+class _Capped:
+    """An epsilon curve that fails after ``cap`` evaluations (a search that does not
+    end is a failure, not a hang)."""
+
+    def __init__(self, fn, cap: int = 2000):
+        self.fn, self.cap, self.calls = fn, cap, 0
+
+    def __call__(self, z):  # noqa: ANN001
+        self.calls += 1
+        if self.calls > self.cap:
+            raise RuntimeError("the search does not end")
+        return self.fn(z)
+
+
+def test_bisection_climbs_when_the_accountant_exceeds_its_rdp_bracket():
+    eps = _Capped(lambda z: 2.0 / z)  # twice the (cheap) bracketing curve
+    z = cal._bisect(eps, _Capped(lambda z: 1.0 / z), 1.0, 0.001)
+    assert 1.0 * (1 - 0.001) <= eps(z) <= 1.0 and z == pytest.approx(2.0, rel=0.002)
+
+
+def test_calibration_reraises_an_accountant_error_unless_rdp_cannot_do_replace_one(monkeypatch):
+    def fake(event, delta, backend="pld", relation="add-remove", discretization=acc.PLD_DISCRETIZATION):
+        if backend == "rdp":
+            raise ValueError("no RDP for this event")
+        return 1.0 / event.noise_multiplier
+
+    monkeypatch.setattr(cal, "epsilon", fake)
+    with pytest.raises(ValueError, match="no RDP for this event"):
+        cal.calibrate(2.0, DELTA, G, "rdp")
+    with pytest.raises(ValueError, match="no RDP for this event"):
+        cal.calibrate(2.0, DELTA, G, "pld")  # RDP brackets the search under add/remove
+    z = cal.calibrate(2.0, DELTA, G, "pld", relation="replace-one")  # ranked by PLD instead
+    assert 2.0 * (1 - 0.005) <= 1.0 / z <= 2.0
+
+
+def _screen(monkeypatch, table):
+    """``screened_max_epsilon`` over fake events: event j has ledger-grid epsilon
+    ``table[j][0]``, coarse-grid ``table[j][1]`` and RDP ``table[j][2]``; returns the
+    (backend, grid, j) of every evaluation."""
+    calls = []
+
+    def fake(j, delta, accountant="pld", relation="add-remove", discretization=acc.PLD_DISCRETIZATION):
+        calls.append((accountant, discretization, j))
+        if accountant == "rdp":
+            return table[j][2]
+        return table[j][0] if discretization == acc.PLD_DISCRETIZATION else table[j][1]
+
+    monkeypatch.setattr(acc, "epsilon", fake)
+    return calls
+
+
+def test_screening_settles_only_the_events_that_can_be_the_maximum(monkeypatch):
+    # one event dominates by every bound: it alone is computed on the ledger grid
+    calls = _screen(monkeypatch, [(1.0, 1.05, 1.3), (5.0, 5.2, 6.0), (2.0, 2.1, 2.5)])
+    assert acc.screened_max_epsilon(list(range(3)), DELTA) == (5.0, 1, {1: 5.0})
+    assert sorted(c for c in calls if c[0] == "rdp") == [("rdp", acc.PLD_DISCRETIZATION, j) for j in range(3)]
+    assert [c for c in calls if c[0] == "pld"] == [("pld", acc.PLD_DISCRETIZATION, 1)]
+    # the largest RDP bound is not the maximum; the coarse grid ranks the rest
+    table = [(3.0, 3.1, 10.0), (4.0, 4.1, 9.0), (3.5, 3.6, 8.0), (1.0, 1.1, 2.0), (2.0, 4.5, 5.0)]
+    calls = _screen(monkeypatch, table)
+    assert acc.screened_max_epsilon(list(range(5)), DELTA) == (4.0, 1, {0: 3.0, 4: 2.0, 1: 4.0})
+    pld = [c for c in calls if c[0] == "pld"]
+    coarse = sorted(j for (_, grid, j) in pld if grid == acc.PLD_COARSE_DISCRETIZATION)
+    fine = [j for (_, grid, j) in pld if grid == acc.PLD_DISCRETIZATION]
+    assert coarse == [1, 2, 4] and fine == [0, 4, 1]  # event 3's RDP bound is below 3.0
+
+
+def test_opacus_bound_reads_a_diverged_order_as_infinite(monkeypatch):
+    import logging
+
+    from opacus.accountants.analysis import rdp as opacus_rdp
+
+    seen = {}
+
+    def fake(q, noise_multiplier, steps, orders):
+        seen.update(q=q, z=noise_multiplier, steps=steps, orders=orders)
+        return [0.5, float("nan"), 2.0]
+
+    monkeypatch.setattr(opacus_rdp, "compute_rdp", fake)
+    root = logging.getLogger()
+    level = root.level
+    out = rdp._opacus_rdp(0.1, 1.5, np.array([2.0, 3.0, 4.0]))
+    assert seen == {"q": 0.1, "z": 1.5, "steps": 1, "orders": [2.0, 3.0, 4.0]}
+    assert out.dtype == np.float64 and out[0] == 0.5 and out[1] == np.inf and out[2] == 2.0
+    assert root.level == level
+
+
+def test_bisection_never_returns_the_floor_when_the_target_needs_more_noise():
+    # the halving reaches lo <= MIN_NOISE_MULTIPLIER, but z = 0.05 misses the target
+    eps = _Capped(lambda z: 1.0 / z)
+    z = cal._bisect(eps, eps, 1.0 / 0.06, 0.001)
+    assert z > cal.MIN_NOISE_MULTIPLIER and 1.0 / z <= 1.0 / 0.06
+    assert z == pytest.approx(0.06, rel=0.002)
+
+
+def test_narrowing_stops_as_soon_as_the_bracket_is_narrow_enough():
+    eps = _Capped(lambda z: 10.00000006 / z)  # the target 2 is met from z = 5.00000003 up
+    hi = cal._narrow(eps, 4.9999999, 5.0000001, 2.0, 0.0)  # width 1e-7 < 1e-7 * 5 after one halving
+    assert eps.calls == 2 and hi == 5.0000001
+
+
+def test_second_stage_never_returns_the_floor_when_the_target_needs_more_noise(monkeypatch):
+    # The fine grid needs z just above MIN_NOISE_MULTIPLIER: the 1% descent from the coarse
+    # answer 0.5 passes 0.0500529 (target met) and stops at 0.0495524, below the floor,
+    # where the floor itself (0.05) misses the target.
+    for factor in (0.10002, 0.10004, 0.10008):
+        _curve(monkeypatch, fine_factor=factor)
+        z = cal.calibrate(2.0, DELTA, G, "pld")
+        assert z >= cal.MIN_NOISE_MULTIPLIER and factor / z <= 2.0, factor
+
+
+def test_large_targets_calibrate_on_the_coarser_grids_the_ledger_bound_allows(monkeypatch):
+    grids = []
+
+    def fake(event, delta, backend="pld", relation="add-remove", discretization=acc.PLD_DISCRETIZATION):
+        if backend == "rdp":
+            raise ValueError("RDP of Poisson-sampled releases under replace-one is not supported")
+        grids.append(discretization)
+        return 10.0 / event.noise_multiplier
+
+    monkeypatch.setattr(cal, "epsilon", fake)
+    z = cal.calibrate(20.0, DELTA, G, "pld", relation="replace-one")
+    assert 20.0 * (1 - 0.005) <= 10.0 / z <= 20.0
+    assert cal.pld_grid(20.0) == pytest.approx(20 * acc.PLD_DISCRETIZATION)
+    assert {round(g / acc.PLD_DISCRETIZATION, 6) for g in grids} == {20.0, 200.0}  # never the ledger's 1e-4
+
+
+def test_rdp_silences_dp_accountings_warnings_on_diverging_orders(caplog):
+    import logging
+
+    rdp._base_rdp.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        rdp.rdp_vector(poisson(0.3, 0.8))  # its series fails to converge at orders 1.5-1.7
+        rdp.rdp_vector(poisson(0.3, 0.8), [1.5, 2.0])
+    assert not [r for r in caplog.records if r.name == "absl"]
+    assert logging.getLogger("absl").level == logging.NOTSET or logging.getLogger("absl").level < logging.ERROR
