@@ -6,7 +6,7 @@ the memory of that whole process tree (driver, Ray's GCS/raylet and its workers)
 every ``--sample`` seconds from /proc: the sum of RSS (shared pages counted once
 per process) and of PSS (shared pages split between the processes that map them).
 
-Configurations (in this order):
+Configurations:
 
 1. joint DP, record unit, ``--placement`` (local and/or central noise), ``--owners``
    owners on ``--nodes`` SuperNodes (owners hosted ``owners/nodes`` per node),
@@ -16,13 +16,17 @@ Configurations (in this order):
    memory per added owner (records per owner kept equal, so the data grow too);
 3. plain Flower FedAvg (``flwr_jdp/joint_dp/fedavg_app.py``, no DP) with ``--owners`` owners,
    one per SuperNode (the only way that app hosts owners), ``--fedavg-rounds``
-   rounds, and joint DP (first placement) on the same ``--owners`` SuperNodes for
-   the same rounds: the round-time ratio at the same scale and the same layout.
+   rounds: the round-time ratio at the same scale (joint DP's steady round from 1.
+   over FedAvg's); with ``--same-layout`` joint DP also runs on ``--owners``
+   SuperNodes for those rounds, and the ratio is taken against that run.
 
-Writes results/bench/scale.json and scale.png. Usage (about 30 minutes on 2 cores):
+Writes results/bench/scale.json and scale.png. Usage (about 20 minutes on 2 cores):
 
     python examples/bench_scale.py --owners 1000 --nodes 20 --rounds 10 \\
-        --placement local central --small-owners 250 --fedavg-rounds 2
+        --placement local central --small-owners 250 --small-rounds 10 --fedavg-rounds 2
+
+(``--small-rounds`` equal to ``--rounds``, so that the slope compares runs of the
+same length.)
 """
 
 from __future__ import annotations
