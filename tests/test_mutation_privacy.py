@@ -757,8 +757,9 @@ def test_rdp_silences_dp_accountings_warnings_on_diverging_orders(caplog):
     import logging
 
     rdp._base_rdp.cache_clear()
+    absl_level = logging.getLogger("absl").level
     with caplog.at_level(logging.WARNING):
         rdp.rdp_vector(poisson(0.3, 0.8))  # its series fails to converge at orders 1.5-1.7
         rdp.rdp_vector(poisson(0.3, 0.8), [1.5, 2.0])
     assert not [r for r in caplog.records if r.name == "absl"]
-    assert logging.getLogger("absl").level == logging.NOTSET or logging.getLogger("absl").level < logging.ERROR
+    assert logging.getLogger("absl").level == absl_level  # restored after each call
