@@ -13,7 +13,11 @@ example's CNN, personal ``fc3``; both on 1x28x28 inputs) and batch size B:
   backward pass, a second backward of the re-weighted loss; noise and update as in
   ``train_dp_sgd``), where the installed Opacus has it;
 - ``ours``: :func:`train_dp_sgd` with whole-model ``torch.func`` per-sample
-  gradients (``per_sample.BACKEND = "func"``: no silent fallback).
+  gradients (``per_sample.BACKEND = "func"``: no silent fallback);
+- ``ours_user_loop``: the drop-in client's step: a user's own loop (SGD on a mean
+  cross-entropy) inside :func:`private_training`, whose per-sample gradients come
+  from the loss's gradient in the model's output (a plain forward pass, then one
+  vectorised ``torch.func`` pass; ``BACKEND = "func"``).
 
 Every DP variant samples at rate 1 (the batch is the B records) and runs
 ``--steps`` steps per call (one wrap per call, as in production), timed per step.
@@ -123,10 +127,32 @@ def make_variants(build, rule: str, batch: int, steps: int) -> dict:
                         p.add_(g, alpha=-LR)
             gsm._close()  # noqa: SLF001
 
+    def user_loop():
+        """The drop-in's step: the user's own loop (SGD on a mean cross-entropy) inside
+        ``private_training``, which computes per-sample gradients from the loss's
+        gradient in the model's output (torch.func; the default path)."""
+        from torch.utils.data import DataLoader, TensorDataset
+
+        from flwr_jdp.training.user_loop import private_training
+
+        per_sample.BACKEND = "func"
+        params = dict(model.named_parameters())
+        data = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=batch)
+        with dp_sgd._frozen([params[n] for n in split.personal]), \
+                private_training(model, data, unit_of_record=torch.arange(batch), num_units=batch, sample_rate=1.0,
+                                 steps=steps, noise_multiplier=Z, clipping_norm=CLIP,
+                                 generator=gen) as (private, loader, _):  # noqa: SLF001
+            opt = torch.optim.SGD(private.parameters(), lr=LR)
+            for xb, yb in loader:
+                opt.zero_grad()
+                F.cross_entropy(private(xb), yb).backward()
+                opt.step()
+
     out = {"plain": plain, "opacus_hooks": dp("opacus")}
     if ghost_available() is None:
         out["opacus_ghost"] = ghost
     out["ours"] = dp("func")
+    out["ours_user_loop"] = user_loop
     return out
 
 
@@ -198,9 +224,10 @@ def main() -> None:
 
 
 def table(doc: dict) -> str:
-    variants = ["plain", "opacus_hooks", "opacus_ghost", "ours"]
+    variants = ["plain", "opacus_hooks", "opacus_ghost", "ours", "ours_user_loop"]
     lines = ["Per step, median; multiples of the plain step: wall (CPU).",
-             "| model | B | plain wall (CPU) ms | Opacus hooks | Opacus ghost | ours |", "|---|---|---|---|---|---|"]
+             "| model | B | plain wall (CPU) ms | Opacus hooks | Opacus ghost | ours | ours, user's loop |",
+             "|---|---|---|---|---|---|---|"]
     for name, per_b in doc["results"].items():
         for b, r in per_b.items():
             cells = [f"{r['median_ms']['plain']:.1f} ({r['median_cpu_ms']['plain']:.1f})"]
@@ -221,7 +248,8 @@ def plot(doc: dict, path: Path) -> None:
     for ax, name in zip(np.atleast_1d(axes), names, strict=True):
         per_b = doc["results"][name]
         bs = [int(b) for b in per_b]
-        for v, style in (("opacus_hooks", "s-"), ("opacus_ghost", "^-"), ("ours", "o-")):
+        for v, style in (("opacus_hooks", "s-"), ("opacus_ghost", "^-"), ("ours", "o-"),
+                         ("ours_user_loop", "d--")):
             if v in per_b[str(bs[0])]["ratio_to_plain"]:
                 ax.plot(bs, [per_b[str(b)]["ratio_to_plain"][v] for b in bs], style, label=v)
         ax.axhline(1.0, color="grey", lw=1, label="plain step")

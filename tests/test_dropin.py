@@ -19,7 +19,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.config import flatten_dict
-from flwr_jdp.strategies import JointDP
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,6 +26,7 @@ from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.client import JointDPClient
 from flwr_jdp.joint_dp.config import ConfigError, namespaced_config
+from flwr_jdp.strategies import JointDP
 from flwr_jdp.training.user_loop import private_training
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart-pytorch"
@@ -47,12 +47,14 @@ def run_config(tmp_path, fashion_mnist_dir):
     raw = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     cfg = flatten_dict(raw)
     cfg.update({"data-dir": str(fashion_mnist_dir), "num-records": 1200, "num-server-rounds": 2,
-                "jdp.num-rounds": 2, "jdp.results-dir": str(tmp_path / "run")})
+                "jdp.num-rounds": 2, "jdp.results-dir": str(tmp_path / "run"),
+                "jdp.noise-seed": 1})  # reproducible: the owners' noise and sampling are seeded
     return cfg
 
 
 def _start(example, run_config, nodes=3, initial=None, **start_kwargs):
     client_app, task = example
+    torch.manual_seed(0)  # the app's own loaders shuffle with torch's global generator
     grid = InProcessGrid(client_app.app, nodes, run_config)
     strategy = JointDP.from_run_config(run_config, node_settle_s=0.0)
     initial = initial if initial is not None else ArrayRecord(task.Net().state_dict())

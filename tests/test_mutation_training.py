@@ -247,7 +247,7 @@ def test_missing_or_wrong_per_sample_gradients_are_named():
             for _x, _y in loader:
                 opt.step()  # no backward at all
     net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match=r"expected, got list: call loss.backward\(\) exactly once"):
+    with pytest.raises(ul.UserLoopError, match=r"expected, got 2 backward passes: call loss.backward\(\) exactly once"):
         with _private(net, q=1.0, steps=1) as (model, loader, _):
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             for x, y in loader:

@@ -31,6 +31,13 @@ Models the transform cannot handle (BatchNorm, which mixes the records of a batc
 data-dependent control flow; in-place updates of buffers; ``.item()`` in
 ``forward``) make the pass raise; :mod:`~flwr_jdp.training.dp_sgd` then falls back
 to Opacus's hooks for that model class (one log line).
+
+A training loop that is not ours (the drop-in client's: the user's loss, optimizer
+and loop) goes through :class:`FuncGradSampleModule`: the user's forward pass is a
+plain one, and from the gradient of the user's loss in the model's output the same
+vectorised pass gives every record's gradient (exact for any loss that sums or
+averages one term per record); :class:`~flwr_jdp.training.user_loop.PrivateModule`
+falls back to Opacus's hooks for a model class it cannot handle (dropout included).
 """
 
 from __future__ import annotations
@@ -87,8 +94,42 @@ class FuncPerSample:
         n = len(yb)
         if n == 0:
             return float("nan")
+
+        def cross_entropy(out: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
+
+        losses = self._per_record((xb,), yb, cross_entropy, n, randomness="different")
+        return float(losses.sum()) / n
+
+    def backward_linearized(self, inputs: tuple[torch.Tensor, ...], out_grads: torch.Tensor,
+                            scale: float = 1.0) -> None:
+        """Per-sample gradients of any loss that sums (or averages) a term per record,
+        given the gradient ``out_grads`` of that loss in the model's output on
+        ``inputs``: record ``i``'s gradient is ``J_i^T out_grads[i]`` (``J_i``: the
+        Jacobian of its output in the parameters), the gradient of the linear
+        function ``<f(x_i), out_grads[i]>``, times ``scale`` (the batch size for a
+        loss averaged over the batch, as Opacus's ``loss_reduction="mean"``)."""
+        for p in self.params.values():  # ``.grad`` is left alone (Opacus's hooks leave it too)
+            p.grad_sample = None
+        n = out_grads.shape[0]
+        if n == 0:
+            return
+        g = out_grads.detach() * scale if scale != 1.0 else out_grads.detach()
+
+        def linear(out: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
+            return (out * gi.unsqueeze(0)).sum()
+
+        # the loss was computed on another forward pass: a random layer (dropout) would
+        # differ in this one, so randomness is an error here (the caller falls back)
+        self._per_record(inputs, g, linear, n, randomness="error")
+
+    def _per_record(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_one,  # noqa: ANN001
+                    n: int, randomness: str) -> torch.Tensor:
+        """``vmap`` over the records of ``grad(loss_one(f(x_i), targets[i]))``: sets
+        ``grad_sample`` of every trainable parameter; returns the per-record losses."""
         if self.single_row_linear is None:
-            self.single_row_linear = _single_row_linear_weights(self.model, self.params, xb[:1])
+            self.single_row_linear = _single_row_linear_weights(self.model, self.params,
+                                                                tuple(x[:1] for x in inputs))
         factored = {k for k in self.single_row_linear if self.params[k].requires_grad and k not in self.summed}
         wrt = {k: p.detach() for k, p in self.params.items() if p.requires_grad and k not in factored}
         const = {k: p.detach() for k, p in self.params.items() if k not in wrt}
@@ -97,25 +138,26 @@ class FuncPerSample:
         mode = _Transform(self.group_norm and n >= GROUP_NORM_RULE_FROM, {id(const[k]): k for k in factored})
         model = self.model
 
-        def loss_of_one(w: dict[str, torch.Tensor], zero: dict[str, torch.Tensor], xi: torch.Tensor,
-                        yi: torch.Tensor):
+        def loss_of_one(w: dict[str, torch.Tensor], zero: dict[str, torch.Tensor], target: torch.Tensor,
+                        *xs: torch.Tensor):
             mode.zero, mode.inputs = zero, {}
-            out = functional_call(model, {**const, **w}, (xi.unsqueeze(0),))
-            loss = F.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
+            out = functional_call(model, {**const, **w}, tuple(x.unsqueeze(0) for x in xs))
+            loss = loss_one(out, target)
             return loss, (loss.detach(), mode.inputs)
 
-        per_record = vmap(grad(loss_of_one, argnums=(0, 1), has_aux=True), in_dims=(None, None, 0, 0),
-                          randomness="different", chunk_size=CHUNK if n > CHUNK else None)
+        in_dims = (None, None, 0, *(0,) * len(inputs))
+        per_record = vmap(grad(loss_of_one, argnums=(0, 1), has_aux=True), in_dims=in_dims,
+                          randomness=randomness, chunk_size=CHUNK if n > CHUNK else None)
         with mode:
-            (grads, out_grads), (losses, inputs) = per_record(wrt, probes, xb, yb)
+            (grads, out_grads), (losses, used) = per_record(wrt, probes, targets, *inputs)
         for k, g in grads.items():
             p = self.params[k]
             p.grad_sample = g
             if k in self.summed:
                 p.grad = g.sum(0)
         for k in factored:
-            self.params[k].grad_sample = OuterProducts(out_grads[k].reshape(n, -1), inputs[k].reshape(n, -1))
-        return float(losses.sum()) / n
+            self.params[k].grad_sample = OuterProducts(out_grads[k].reshape(n, -1), used[k].reshape(n, -1))
+        return losses
 
     def clear(self) -> None:
         for p in self.params.values():
@@ -192,14 +234,15 @@ class _Uses(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _single_row_linear_weights(model: nn.Module, params: dict[str, nn.Parameter], one: torch.Tensor) -> set[str]:
+def _single_row_linear_weights(model: nn.Module, params: dict[str, nn.Parameter],
+                               one: tuple[torch.Tensor, ...]) -> set[str]:
     """Weights used once per forward, as ``F.linear``'s weight on one row (a record's
     feature vector), and nowhere else: their per-record gradients can be factored.
     Found by one forward pass of one record, without gradients; checked again in
     every transformed pass (:class:`_Transform`)."""
     uses = _Uses({id(p): k for k, p in params.items()})
     with torch.no_grad(), uses:
-        model(one)
+        model(*one)
     return {k for k, c in uses.single_row_linear.items() if c == 1 and uses.uses.get(k) == 1 and params[k].dim() == 2}
 
 
@@ -326,3 +369,89 @@ class _GroupNorm(torch.autograd.Function):
         rows = x.shape[1]
         out, mean, rstd = _gn_forward(x.reshape(size * rows, *x.shape[2:]), groups, weight, bias, eps)
         return (out.reshape(x.shape), mean.reshape(size, rows, -1), rstd.reshape(size, rows, -1)), (0, 0, 0)
+
+
+# --------------------------------------------- the user's own loop: any per-record loss
+#: Model classes on which the linearized path failed (-> Opacus's hooks), with the reason.
+LINEARIZED_FAILED: dict[type, str] = {}
+#: Model classes on which it succeeded once (no probe pass any more).
+_LINEARIZED_OK: set[type] = set()
+
+
+class FuncGradSampleModule(nn.Module):
+    """Opacus's ``GradSampleModule`` contract by whole-model ``torch.func``, for a
+    training loop that is not ours: after the user's ``loss.backward()`` every
+    trainable parameter of the wrapped model holds ``grad_sample`` (the gradient of
+    each record's term of the loss), whatever the loss function.
+
+    The forward pass runs the model without a graph over its parameters (a plain
+    forward) and returns the output as a leaf that requires a gradient. The user's
+    backward pass stops there; a hook on it receives the loss's gradient in the
+    output, ``G``, from which :meth:`FuncPerSample.backward_linearized` computes
+    every record's parameter gradient ``J_i^T G_i`` in one vectorised forward and
+    backward pass. That is exact for any loss that is a sum (``loss_reduction="sum"``)
+    or mean (``"mean"``: ``G_i`` is then scaled by the batch size, as Opacus does)
+    of one term per record: ``G_i`` depends on record ``i`` alone.
+
+    Cost: one forward pass without a graph plus the vectorised pass, against
+    Opacus's hooked forward and backward plus an ``einsum`` per layer. The first
+    batch of a model class is also run through a probe; a model the transform
+    cannot handle (random layers such as dropout, BatchNorm, data-dependent control
+    flow, an output that is not one tensor with a row per record, keyword
+    arguments) raises :class:`FuncUnsupported` there, before the model's output is
+    used, and the caller falls back to Opacus's hooks.
+    """
+
+    def __init__(self, module: nn.Module, loss_reduction: str = "mean") -> None:
+        super().__init__()
+        self._module = module
+        self.loss_reduction = loss_reduction
+        self.engine = FuncPerSample(module)
+
+    def forward(self, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        trainable = any(p.requires_grad for p in self._module.parameters())
+        if not (torch.is_grad_enabled() and trainable):
+            return self._module(*args, **kwargs)
+        if kwargs:
+            raise FuncUnsupported(f"keyword arguments to forward ({sorted(kwargs)})")
+        if not args or not all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args) or \
+                len({a.shape[0] for a in args}) != 1:
+            raise FuncUnsupported("forward's arguments are not tensors with one row per record")
+        inputs = tuple(a.detach() for a in args)
+        with torch.no_grad():
+            out = self._module(*inputs)
+        if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != inputs[0].shape[0]:
+            raise FuncUnsupported("the model's output is not one tensor with a row per record")
+        cls = type(self._module)
+        if cls not in _LINEARIZED_OK and out.shape[0] > 0:
+            try:  # probe: the model ran plainly above, so a failure here is the transform's
+                self.engine.backward_linearized(inputs, torch.zeros_like(out))
+            except Exception as err:  # noqa: BLE001 - vmap's errors have no common type
+                raise FuncUnsupported(f"{type(err).__name__}: {err}") from err
+            for p in self._module.parameters():
+                p.grad_sample = None
+            _LINEARIZED_OK.add(cls)
+        leaf = out.detach().requires_grad_(True)
+        leaf.register_hook(lambda g: self._per_sample(inputs, g))
+        return leaf
+
+    def _per_sample(self, inputs: tuple[torch.Tensor, ...], out_grads: torch.Tensor) -> None:
+        n = out_grads.shape[0]
+        params = [p for p in self._module.parameters() if p.requires_grad]
+        earlier = [getattr(p, "grad_sample", None) for p in params]
+        scale = float(n) if self.loss_reduction == "mean" else 1.0
+        self.engine.backward_linearized(inputs, out_grads, scale)
+        for p, before in zip(params, earlier, strict=True):
+            if before is not None:  # a second backward pass before the step: kept apart, as
+                p.grad_sample = [before, p.grad_sample]  # Opacus's hooks do (the step refuses it)
+
+    def close(self) -> None:
+        """Remove the per-sample gradients (``.grad``, the last step's, stays as Opacus leaves it)."""
+        for p in self._module.parameters():
+            if hasattr(p, "grad_sample"):
+                del p.grad_sample
+
+
+def known_to_work(model: nn.Module) -> bool:
+    """True once :class:`FuncGradSampleModule` has run a batch of ``model``'s class."""
+    return type(model) in _LINEARIZED_OK

@@ -3,8 +3,10 @@
 The user's ``train(model, loader)`` function keeps its loss, optimizer and loop.
 For the duration of :func:`private_training` it is handed
 
-- the user's model wrapped in Opacus's ``GradSampleModule`` (per-sample gradients
-  of every trainable parameter; the caller freezes what must not be trained), and
+- the user's model wrapped in a :class:`PrivateModule` (per-sample gradients of
+  every trainable parameter, by whole-model ``torch.func`` from the loss's gradient
+  in the model's output, or by Opacus's ``GradSampleModule`` for a model that path
+  cannot handle; the caller freezes what must not be trained), and
 - a :class:`PoissonLoader` over the user's data set (its ``collate_fn`` kept) that
   yields exactly the ``steps`` Poisson batches of rate ``q`` the server accounts
   for, in total over however many passes the loop makes;
@@ -43,6 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
 from ..privacy.mechanisms import GaussianSumMechanism
+from . import per_sample
 from .dp_sgd import UnitBatch, _draw_batch, batch_sums
 
 
@@ -136,8 +139,10 @@ class _DPStep:
         n = len(batch.records)
         for p in self.params:
             gs = getattr(p, "grad_sample", None)
-            if n and (gs is None or not isinstance(gs, torch.Tensor) or gs.shape[0] != n):
-                got = "none" if gs is None else (tuple(gs.shape) if isinstance(gs, torch.Tensor) else type(gs).__name__)
+            if n and (gs is None or not isinstance(gs, torch.Tensor | per_sample.OuterProducts) or len(gs) != n):
+                got = ("none" if gs is None else tuple(gs.shape) if isinstance(gs, torch.Tensor)
+                       else f"{len(gs)} rows" if isinstance(gs, per_sample.OuterProducts)
+                       else f"{len(gs)} backward passes" if isinstance(gs, list) else type(gs).__name__)
                 raise UserLoopError(
                     f"per-sample gradients of a batch of {n} records expected, got {got}: call "
                     "loss.backward() exactly once per batch, on the model passed to your train "
@@ -153,6 +158,81 @@ class _DPStep:
             p.grad = g.to(p.dtype)
             p.grad_sample = None
         self.steps_taken += 1
+
+
+class PrivateModule(nn.Module):
+    """The user's model as their train function sees it inside :func:`private_training`:
+    per-sample gradients of its trainable parameters by whole-model ``torch.func``
+    (:class:`~flwr_jdp.training.per_sample.FuncGradSampleModule`), or by Opacus's
+    hooks (``GradSampleModule``) for a model class that path cannot handle, found on
+    the first batch (one log line per class) or named by ``FLWR_JDP_PER_SAMPLE``
+    (``opacus``; ``func``: no fallback). Its parameters are the model's, named
+    ``_module.<name>`` as Opacus names them."""
+
+    def __init__(self, model: nn.Module, loss_reduction: str) -> None:
+        super().__init__()
+        self._module = model
+        self.loss_reduction = loss_reduction
+        self._func: per_sample.FuncGradSampleModule | None = None
+        self._gsm = None
+        backend = per_sample.BACKEND
+        if backend == "opacus" or (backend == "auto" and type(model) in per_sample.LINEARIZED_FAILED):
+            self._use_opacus()
+        else:
+            try:
+                self._func = per_sample.FuncGradSampleModule(model, loss_reduction)
+            except per_sample.FuncUnsupported as err:
+                if backend == "func":
+                    raise UserLoopError(f"per-sample gradients by torch.func: {err}") from err
+                self._fall_back(err)
+
+    @property
+    def path(self) -> str:
+        """``torch.func`` or ``opacus``: how the per-sample gradients are computed."""
+        return "opacus" if self._gsm is not None else "torch.func"
+
+    def _use_opacus(self) -> None:
+        from opacus import GradSampleModule
+
+        try:  # not a registered submodule: the parameters stay named _module.<name>
+            object.__setattr__(self, "_gsm", GradSampleModule(self._module, loss_reduction=self.loss_reduction))
+        except Exception as err:  # noqa: BLE001 - Opacus names the unsupported layer
+            raise UserLoopError(f"the model cannot be trained with per-sample gradients: {err}") from err
+
+    def _fall_back(self, err: Exception) -> None:
+        cls = type(self._module)
+        if cls not in per_sample.LINEARIZED_FAILED:
+            reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+            per_sample.LINEARIZED_FAILED[cls] = reason
+            log(WARNING, "per-sample gradients of %s: torch.func cannot handle the model (%s); "
+                "using Opacus's hooks", cls.__qualname__, reason)
+        if self._func is not None:
+            self._func.close()
+            self._func = None
+        self._use_opacus()
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        if self._gsm is not None:
+            return self._gsm(*args, **kwargs)
+        assert self._func is not None
+        if per_sample.BACKEND == "func" or per_sample.known_to_work(self._module):
+            return self._func(*args, **kwargs)
+        rng = torch.get_rng_state()  # a random layer's draws are redone by the fallback
+        try:
+            return self._func(*args, **kwargs)
+        except per_sample.FuncUnsupported as err:  # before the output was used
+            torch.set_rng_state(rng)
+            self._fall_back(err)
+            return self._gsm(*args, **kwargs)
+
+    def close(self) -> None:
+        """Remove hooks and per-sample gradients; the model is left as it came."""
+        for p in self._module.parameters():
+            p.grad_sample = None
+        if self._func is not None:
+            self._func.close()
+        if self._gsm is not None:
+            self._gsm._close()  # noqa: SLF001 - removes Opacus hooks, leaves the plain model
 
 
 @dataclass
@@ -186,8 +266,6 @@ def private_training(
     private; freeze the others before. With ``capture`` (central noise) no noise is
     added and no parameter moves: the clipped sum of the batches is kept in the
     record (use ``steps=1``)."""
-    from opacus import GradSampleModule
-
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise UserLoopError("no trainable parameter to train privately")
@@ -198,18 +276,13 @@ def private_training(
                                                      secure=secure)
     hook = _DPStep(params, sampler, clipping_norm, mech, generator, capture=capture)
     record = PrivateRound(steps_planned=int(steps))
-    try:
-        gsm = GradSampleModule(model, loss_reduction=loss_reduction)
-    except Exception as err:  # noqa: BLE001 - Opacus names the unsupported layer
-        raise UserLoopError(f"the model cannot be trained with per-sample gradients: {err}") from err
+    private = PrivateModule(model, loss_reduction)
     handle = register_optimizer_step_pre_hook(hook)
     try:
-        yield gsm, private_loader, record
+        yield private, private_loader, record
     finally:
         handle.remove()
-        for p in model.parameters():
-            p.grad_sample = None
-        gsm._close()  # noqa: SLF001 - removes Opacus hooks, leaves the plain model
+        private.close()
     record.steps_taken = hook.steps_taken
     record.clipped_sum = hook.captured
     if hook.steps_taken < steps:

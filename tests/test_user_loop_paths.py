@@ -1,0 +1,169 @@
+"""The user's own training loop (the drop-in client half) gets the same per-sample
+gradients from whole-model ``torch.func`` (the default) as from Opacus's hooks.
+
+:func:`~flwr_jdp.training.user_loop.private_training` hands the user's train
+function a :class:`~flwr_jdp.training.user_loop.PrivateModule`: its forward pass is
+plain, and the user's ``loss.backward()`` gives, through the loss's gradient in the
+model's output, every record's gradient by one vectorised ``torch.func`` pass
+(:class:`~flwr_jdp.training.per_sample.FuncGradSampleModule`). It must release what
+Opacus's hooks release, for any per-record loss (mean or sum reduced, a sequence
+loss), on the four model families of ``tests/test_per_sample_paths.py``, record
+and user units, central (the clipped sum) and local noise (the parameters after
+noiseless steps with the user's momentum optimizer); a model it cannot handle
+(dropout) falls back to Opacus with one log line, before its output is used.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from flwr_jdp.training import per_sample, user_loop
+from flwr_jdp.training.user_loop import UserLoopError, private_training
+from tests.test_per_sample_paths import MODELS, _case
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction=reduction)  # the LSTM's (n, classes, positions) too
+
+
+def _train_fn(reduction: str, lr: float = 0.3):
+    def train(model: nn.Module, loader: DataLoader) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        model.train()
+        for _ in range(2):  # two passes: the loader yields the planned steps in total
+            for xb, yb in loader:
+                opt.zero_grad()
+                _loss(model(xb), yb, reduction).backward()
+                opt.step()
+    return train
+
+
+def _run(backend: str, monkeypatch, name: str, unit: str, *, capture: bool, reduction: str = "mean",
+         steps: int = 3) -> tuple[list[torch.Tensor], str, nn.Module]:
+    monkeypatch.setattr(per_sample, "BACKEND", backend)
+    model, split, x, y = _case(name)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in split.shared)  # the release's model: personal parameters frozen
+    n = len(y)
+    units = torch.arange(n) if unit == "record" else torch.arange(n) % 5
+    data = DataLoader(TensorDataset(torch.as_tensor(x), torch.as_tensor(y)), batch_size=4)
+    with private_training(model, data, unit_of_record=units, num_units=int(units.max()) + 1, sample_rate=0.8,
+                         steps=1 if capture else steps, noise_multiplier=0.0, clipping_norm=0.5,
+                         generator=torch.Generator().manual_seed(4), capture=capture,
+                         loss_reduction=reduction) as (private, loader, record):
+        _train_fn(reduction)(private, loader)
+        path = private.path
+    assert not any(getattr(p, "grad_sample", None) is not None for p in model.parameters())
+    if capture:
+        return record.clipped_sum, path, model
+    return [p.detach().clone() for p in model.parameters()], path, model
+
+
+@pytest.mark.parametrize("unit", ["record", "user"])
+@pytest.mark.parametrize("name", MODELS)
+def test_the_users_loop_gives_the_same_clipped_sum_on_both_paths(name, unit, monkeypatch):
+    fast, path, _ = _run("auto", monkeypatch, name, unit, capture=True)
+    hooks, _, _ = _run("opacus", monkeypatch, name, unit, capture=True)
+    assert path == "torch.func"
+    assert any(float(s.abs().max()) > 0 for s in fast)
+    for a, b in zip(fast, hooks, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=1e-6 * max(1.0, float(b.abs().max())))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", MODELS)
+def test_noiseless_steps_of_the_users_optimizer_end_at_the_same_parameters(name, reduction, monkeypatch):
+    fast, path, model = _run("auto", monkeypatch, name, "record", capture=False, reduction=reduction)
+    hooks, _, _ = _run("opacus", monkeypatch, name, "record", capture=False, reduction=reduction)
+    start, _, _, _ = _case(name)
+    assert path == "torch.func"
+    moved = [not torch.equal(a, b) for a, b in zip(fast, start.parameters(), strict=True)]
+    shared = [p.requires_grad for p in model.parameters()]
+    assert moved == shared  # the shared parameters moved, the frozen personal ones did not
+    for a, b in zip(fast, hooks, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+class _Dropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.relu(self.body(x))))
+
+
+def _dropout_round(backend: str, monkeypatch) -> tuple[list[torch.Tensor], str]:
+    monkeypatch.setattr(per_sample, "BACKEND", backend)
+    torch.manual_seed(2)
+    model = _Dropout()
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    data = DataLoader(TensorDataset(x, y), batch_size=5)
+    torch.manual_seed(7)  # the dropout masks
+    with private_training(model, data, unit_of_record=torch.arange(10), num_units=10, sample_rate=0.9, steps=1,
+                         noise_multiplier=0.0, clipping_norm=0.2, generator=torch.Generator().manual_seed(1),
+                         capture=True) as (private, loader, record):
+        _train_fn("mean")(private, loader)
+        path = private.path
+    return record.clipped_sum, path
+
+
+def test_a_model_with_dropout_falls_back_to_opacus_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setattr(per_sample, "LINEARIZED_FAILED", {})
+    with caplog.at_level(logging.WARNING):
+        runs = [_dropout_round("auto", monkeypatch) for _ in range(2)]
+    lines = [r for r in caplog.records if "torch.func cannot handle" in r.getMessage()]
+    assert len(lines) == 1 and "_Dropout" in lines[0].getMessage()
+    assert [path for _, path in runs] == ["opacus", "opacus"]
+    hooks, _ = _dropout_round("opacus", monkeypatch)
+    for sums, _ in runs:  # the same masks: the fallback recomputed the batch with Opacus
+        for a, b in zip(sums, hooks, strict=True):
+            torch.testing.assert_close(a, b)
+    monkeypatch.setattr(per_sample, "LINEARIZED_FAILED", {})
+    with pytest.raises(Exception, match="randomness|random"):  # FLWR_JDP_PER_SAMPLE=func: no fallback
+        _dropout_round("func", monkeypatch)
+
+
+def test_two_backward_passes_in_one_step_are_refused_on_both_paths(monkeypatch):
+    def twice(model: nn.Module, loader: DataLoader) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for xb, yb in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+
+    for backend in ("auto", "opacus"):
+        monkeypatch.setattr(per_sample, "BACKEND", backend)
+        model, split, x, y = _case("quickstart", n=6)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in split.shared)
+        data = DataLoader(TensorDataset(torch.as_tensor(x), torch.as_tensor(y)), batch_size=6)
+        with pytest.raises(UserLoopError, match="exactly once per batch"), \
+                private_training(model, data, unit_of_record=torch.arange(6), num_units=6, sample_rate=1.0,
+                                 steps=1, noise_multiplier=0.0, clipping_norm=1.0,
+                                 generator=torch.Generator().manual_seed(0), capture=True) as (private, loader, _):
+            twice(private, loader)
+
+
+def test_the_drop_in_release_runs_through_torch_func_by_default(monkeypatch):
+    """Opacus made unusable: the quickstart model's round must not need it."""
+    monkeypatch.setattr(per_sample, "BACKEND", "auto")
+
+    def no_opacus(self) -> None:  # noqa: ANN001
+        raise AssertionError("Opacus's hooks were used")
+
+    monkeypatch.setattr(user_loop.PrivateModule, "_use_opacus", no_opacus)
+    sums, path, _ = _run("auto", monkeypatch, "quickstart", "record", capture=True)
+    assert path == "torch.func" and all(np.isfinite(s.numpy()).all() for s in sums)
