@@ -4,9 +4,10 @@
   (:mod:`flwr_jdp.joint_dp.client`).
 - :class:`MTLClient`: DP mean-regularized multi-task learning on the user's model
   (:mod:`flwr_jdp.mtl.client`).
+- :func:`owners_mod`: a Flower mod with which one SuperNode hosts several owners.
 """
 
-from flwr_jdp.joint_dp.client import JointDPClient
+from flwr_jdp.joint_dp.client import JointDPClient, owners_mod
 from flwr_jdp.mtl.client import MTLClient
 
-__all__ = ["JointDPClient", "MTLClient"]
+__all__ = ["JointDPClient", "MTLClient", "owners_mod"]

@@ -167,3 +167,66 @@ def test_the_drop_in_release_runs_through_torch_func_by_default(monkeypatch):
     monkeypatch.setattr(user_loop.PrivateModule, "_use_opacus", no_opacus)
     sums, path, _ = _run("auto", monkeypatch, "quickstart", "record", capture=True)
     assert path == "torch.func" and all(np.isfinite(s.numpy()).all() for s in sums)
+
+
+def _capture_round(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_fn=None):  # noqa: ANN001
+    data = DataLoader(TensorDataset(x, y), batch_size=len(y))
+    with private_training(model, data, unit_of_record=torch.arange(len(y)), num_units=len(y), sample_rate=1.0,
+                         steps=1, noise_multiplier=0.0, clipping_norm=1.0, generator=torch.Generator().manual_seed(0),
+                         capture=True) as (private, loader, record):
+        (train_fn or _train_fn("mean"))(private, loader)
+        path = private.path
+    return record.clipped_sum, path
+
+
+def test_the_probes_verdict_is_per_model_kind_not_per_class(monkeypatch):
+    """A plain ``nn.Sequential`` passes the probe; a later ``nn.Sequential`` with dropout
+    is another kind: probed again, it falls back instead of failing in backward."""
+    monkeypatch.setattr(per_sample, "BACKEND", "auto")
+    monkeypatch.setattr(per_sample, "LINEARIZED_FAILED", {})
+    monkeypatch.setattr(per_sample, "_LINEARIZED_OK", set())
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    torch.manual_seed(0)
+    _, path = _capture_round(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)), x, y)
+    assert path == "torch.func"
+    _, path = _capture_round(nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.5), nn.Linear(5, 3)), x, y)
+    assert path == "opacus"
+
+
+def test_the_models_training_mode_is_left_as_the_users_loop_set_it(monkeypatch):
+    monkeypatch.setattr(per_sample, "BACKEND", "auto")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).eval()
+
+    def no_mode_change(m: nn.Module, loader: DataLoader) -> None:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for xb, yb in loader:
+            opt.zero_grad()
+            F.cross_entropy(m(xb), yb).backward()
+            opt.step()
+
+    _capture_round(model, torch.randn(6, 4), torch.randint(0, 3, (6,)), no_mode_change)
+    assert not model.training
+
+
+class _CentresTheBatch(nn.Module):
+    """Subtracts the batch mean: a record's output depends on the other records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h - h.mean(0, keepdim=True))
+
+
+def test_a_model_that_mixes_the_records_of_a_batch_is_refused(monkeypatch):
+    """No per-record gradient exists: refused (not sent to Opacus's hooks, which
+    cannot bound one record's influence either)."""
+    monkeypatch.setattr(per_sample, "BACKEND", "auto")
+    monkeypatch.setattr(per_sample, "_LINEARIZED_OK", set())
+    torch.manual_seed(0)
+    with pytest.raises(UserLoopError, match="depends on the other records of its batch"):
+        _capture_round(_CentresTheBatch(), torch.randn(6, 4), torch.randint(0, 3, (6,)))

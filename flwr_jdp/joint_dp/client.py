@@ -53,7 +53,7 @@ from logging import WARNING
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
@@ -61,7 +61,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.config import ConfigError, JobConfig, namespaced_config
+from flwr_jdp.joint_dp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config
 from flwr_jdp.joint_dp.owner_guard import InstructionRefused
 from flwr_jdp.joint_dp.owner_round import public_personal_swapped
 from flwr_jdp.joint_dp.owner_store import (
@@ -78,6 +78,7 @@ from flwr_jdp.joint_dp.schedule import OwnerSize
 from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
+from flwr_jdp.records import hosted_owners
 from flwr_jdp.training.user_loop import UserLoopError, private_training
 
 TrainFn = Callable[[nn.Module, DataLoader], object]
@@ -336,4 +337,87 @@ class JointDPClient:
         return dict(zip(split.shared, delta, strict=True))
 
 
-__all__ = ["JointDPClient", "owner_id"]
+def _owner_context(context: Context, owner: int, num_owners: int) -> Context:
+    """``context`` as the handlers of owner ``owner`` see it: its ``partition-id`` is the
+    owner, ``num-partitions`` the number of owners; the node's state is shared (every
+    record the client half keeps in it is keyed by owner)."""
+    node_config = {**context.node_config, "partition-id": owner, "num-partitions": num_owners}
+    return Context(run_id=context.run_id, node_id=context.node_id, node_config=node_config,
+                   state=context.state, run_config=context.run_config, series_id=context.series_id)
+
+
+def _merged_setup(msg: Message, replies: list[tuple[int, Message]]) -> Message:
+    errors = [f"owner {o}: {r.error.reason}" for o, r in replies if r.has_error()]
+    if errors:
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="; ".join(errors)), reply_to=msg)
+    merged: dict[str, list] = {protocol.OWNER_IDS: [], protocol.NUM_RECORDS: [], protocol.NUM_USERS: []}
+    rec = ConfigRecord()
+    for _, reply in replies:
+        one = reply.content[protocol.SETUP]
+        for key, values in merged.items():
+            values.extend(one[key])
+        for key in (protocol.PARAM_NAMES, protocol.PARAM_SHAPES):
+            if key in one and key not in rec:
+                rec[key] = one[key]
+    for key, values in merged.items():
+        rec[key] = values
+    return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
+
+
+def owners_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """Flower mod: one SuperNode hosts several owners (``ClientApp(mods=[owners_mod])``).
+
+    With ``jdp.num-owners`` = N in the run config, the node with ``partition-id`` p of
+    ``num-partitions`` P hosts the owners o < N with ``o % P == p``: each of the app's
+    handlers (set-up, train, evaluate) is called once per owner the message is for,
+    with a context whose ``partition-id`` is the owner and ``num-partitions`` is N, so
+    an app written for one owner per node (its ``load_data(partition-id,
+    num-partitions)``) runs unchanged; the replies are merged, each owner's
+    ``arrays`` and ``metrics`` under its own key (``owner.<o>``, ``metrics.<o>``).
+    An owner whose handler fails is left out of the reply with a logged reason (the
+    server drops it for the round); if every owner fails, the error is the reply.
+    Without ``jdp.num-owners``, or with one owner per node, messages pass through.
+    Simulating many owners on a few SuperNodes saves Flower's per-node cost.
+    """
+    num_owners = int(context.run_config.get(f"{NAMESPACE}.num-owners", 0) or 0)
+    pid, parts = context.node_config.get("partition-id"), context.node_config.get("num-partitions")
+    if not num_owners or pid is None or parts is None or int(parts) == num_owners:
+        return call_next(msg, context)
+    hosted = hosted_owners(num_owners, int(pid), int(parts))
+    kind = msg.metadata.message_type.split(".")[0]
+    if kind == MessageType.QUERY:
+        return _merged_setup(msg, [(o, call_next(msg, _owner_context(context, o, num_owners))) for o in hosted])
+    cfg_rec = msg.content.get(protocol.CONFIG)
+    wanted = [int(o) for o in (cfg_rec.get(protocol.OWNERS, []) if isinstance(cfg_rec, ConfigRecord) else [])]
+    owners = [o for o in wanted if o in set(hosted)]
+    if not owners:
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                             reason=f"none of the owners {wanted[:10]} of this {kind} message is hosted here "
+                                    f"(hosts {hosted[:10]}; check 'jdp.num-owners' and the node's "
+                                    "'partition-id' / 'num-partitions')"), reply_to=msg)
+    merged, errors = RecordDict(), []
+    for o in owners:
+        try:
+            reply = call_next(msg, _owner_context(context, o, num_owners))
+        except Exception as err:  # noqa: BLE001 - one owner's failure must not lose the others' replies
+            errors.append(f"owner {o}: {type(err).__name__}: {err}")
+            continue
+        if reply.has_error():
+            errors.append(f"owner {o}: {reply.error.reason}")
+            continue
+        for key, record in reply.content.items():
+            if key == protocol.ARRAYS:
+                merged[protocol.owner_key(o)] = record
+            elif key == protocol.METRICS:
+                merged[protocol.metrics_key(o)] = record
+            else:
+                log(WARNING, "owners_mod: record %r of owner %d's %s reply not sent (only 'arrays' and "
+                    "'metrics' are kept per owner)", key, o, kind)
+    if errors and len(errors) == len(owners):
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="; ".join(errors)), reply_to=msg)
+    for reason in errors:
+        log(WARNING, "owners_mod: left out of the %s reply: %s", kind, reason)
+    return Message(merged, reply_to=msg)
+
+
+__all__ = ["JointDPClient", "owner_id", "owners_mod"]

@@ -76,7 +76,7 @@ class FuncPerSample:
 
     name = "torch.func"
 
-    def __init__(self, model: nn.Module, summed: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: nn.Module, summed: tuple[str, ...] = (), *, set_train: bool = True) -> None:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):  # noqa: SLF001
                 raise FuncUnsupported(f"{type(module).__name__} mixes the records of a batch")
@@ -85,7 +85,8 @@ class FuncPerSample:
         self.summed = set(summed)
         self.params = dict(model.named_parameters())
         self.single_row_linear: set[str] | None = None  # found on the first batch
-        model.train()
+        if set_train:
+            model.train()
 
     def backward(self, xb: torch.Tensor, yb: torch.Tensor) -> float:
         """Per-sample gradients of the summed loss over the batch ``(xb, yb)`` into
@@ -117,6 +118,9 @@ class FuncPerSample:
         g = out_grads.detach() * scale if scale != 1.0 else out_grads.detach()
 
         def linear(out: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
+            if out.shape[1:] != gi.shape:  # no silent broadcasting
+                raise FuncUnsupported(f"a record's output has shape {tuple(out.shape[1:])}, its gradient "
+                                      f"{tuple(gi.shape)}")
             return (out * gi.unsqueeze(0)).sum()
 
         # the loss was computed on another forward pass: a random layer (dropout) would
@@ -134,7 +138,8 @@ class FuncPerSample:
         wrt = {k: p.detach() for k, p in self.params.items() if p.requires_grad and k not in factored}
         const = {k: p.detach() for k, p in self.params.items() if k not in wrt}
         const.update((k, b.detach()) for k, b in self.model.named_buffers())
-        probes = {k: torch.zeros(1, self.params[k].shape[0], dtype=self.params[k].dtype) for k in factored}
+        probes = {k: torch.zeros(1, self.params[k].shape[0], dtype=self.params[k].dtype,
+                                 device=self.params[k].device) for k in factored}
         mode = _Transform(self.group_norm and n >= GROUP_NORM_RULE_FROM, {id(const[k]): k for k in factored})
         model = self.model
 
@@ -372,10 +377,23 @@ class _GroupNorm(torch.autograd.Function):
 
 
 # --------------------------------------------- the user's own loop: any per-record loss
-#: Model classes on which the linearized path failed (-> Opacus's hooks), with the reason.
-LINEARIZED_FAILED: dict[type, str] = {}
-#: Model classes on which it succeeded once (no probe pass any more).
-_LINEARIZED_OK: set[type] = set()
+#: Model kinds (:func:`model_kind`) on which the linearized path failed (-> Opacus's
+#: hooks), with the reason.
+LINEARIZED_FAILED: dict[tuple, str] = {}
+#: Model kinds on which the probe passed (it is not run again for them).
+_LINEARIZED_OK: set[tuple] = set()
+
+
+class BatchMixing(RuntimeError):
+    """A record's output depends on the other records of its batch: no per-record
+    gradient exists, so per-record clipping cannot bound one record's influence (on
+    Opacus's hooks neither)."""
+
+
+def model_kind(model: nn.Module) -> tuple:
+    """What the probe's verdict holds for: the model's class, the classes of all its
+    submodules and its training mode (a dropout layer added, or eval mode, is another kind)."""
+    return type(model), tuple(type(m) for m in model.modules()), model.training
 
 
 class FuncGradSampleModule(nn.Module):
@@ -406,7 +424,7 @@ class FuncGradSampleModule(nn.Module):
         super().__init__()
         self._module = module
         self.loss_reduction = loss_reduction
-        self.engine = FuncPerSample(module)
+        self.engine = FuncPerSample(module, set_train=False)  # the user's loop sets the mode
 
     def forward(self, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
         trainable = any(p.requires_grad for p in self._module.parameters())
@@ -422,18 +440,39 @@ class FuncGradSampleModule(nn.Module):
             out = self._module(*inputs)
         if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != inputs[0].shape[0]:
             raise FuncUnsupported("the model's output is not one tensor with a row per record")
-        cls = type(self._module)
-        if cls not in _LINEARIZED_OK and out.shape[0] > 0:
-            try:  # probe: the model ran plainly above, so a failure here is the transform's
-                self.engine.backward_linearized(inputs, torch.zeros_like(out))
-            except Exception as err:  # noqa: BLE001 - vmap's errors have no common type
-                raise FuncUnsupported(f"{type(err).__name__}: {err}") from err
-            for p in self._module.parameters():
-                p.grad_sample = None
-            _LINEARIZED_OK.add(cls)
+        kind = model_kind(self._module)
+        if kind not in _LINEARIZED_OK and out.shape[0] > 1:
+            self._probe(inputs, out)
+            _LINEARIZED_OK.add(kind)
         leaf = out.detach().requires_grad_(True)
         leaf.register_hook(lambda g: self._per_sample(inputs, g))
         return leaf
+
+    def _probe(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        """Run the transform once (zero output gradient) and check that each record's
+        output alone equals its row of the batch's output. The model already ran
+        plainly on these inputs, so a failure here is the transform's."""
+        try:
+            self.engine.backward_linearized(inputs, torch.zeros_like(out))
+            params = {k: p.detach() for k, p in self._module.named_parameters()}
+            params.update((k, b.detach()) for k, b in self._module.named_buffers())
+
+            def one(*xs: torch.Tensor) -> torch.Tensor:
+                return functional_call(self._module, params, tuple(x.unsqueeze(0) for x in xs))[0]
+
+            with torch.no_grad():
+                alone = vmap(one, randomness="error", chunk_size=CHUNK)(*inputs)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as err:  # noqa: BLE001 - vmap's errors have no common type
+            raise FuncUnsupported(f"{type(err).__name__}: {str(err).strip()}") from err
+        finally:
+            for p in self._module.parameters():
+                p.grad_sample = None
+        if alone.shape != out.shape or not torch.allclose(alone, out, rtol=1e-4, atol=1e-5 * (1 + float(out.abs().max()))):
+            raise BatchMixing("a record's output depends on the other records of its batch (the rows of the "
+                              "model's output are not one record each, or a layer mixes records): per-record "
+                              "clipping cannot bound one record's influence")
 
     def _per_sample(self, inputs: tuple[torch.Tensor, ...], out_grads: torch.Tensor) -> None:
         n = out_grads.shape[0]
@@ -453,5 +492,5 @@ class FuncGradSampleModule(nn.Module):
 
 
 def known_to_work(model: nn.Module) -> bool:
-    """True once :class:`FuncGradSampleModule` has run a batch of ``model``'s class."""
-    return type(model) in _LINEARIZED_OK
+    """True once :class:`FuncGradSampleModule`'s probe has passed on ``model``'s kind."""
+    return model_kind(model) in _LINEARIZED_OK

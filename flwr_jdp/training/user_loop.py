@@ -176,7 +176,7 @@ class PrivateModule(nn.Module):
         self._func: per_sample.FuncGradSampleModule | None = None
         self._gsm = None
         backend = per_sample.BACKEND
-        if backend == "opacus" or (backend == "auto" and type(model) in per_sample.LINEARIZED_FAILED):
+        if backend == "opacus" or (backend == "auto" and per_sample.model_kind(model) in per_sample.LINEARIZED_FAILED):
             self._use_opacus()
         else:
             try:
@@ -200,12 +200,12 @@ class PrivateModule(nn.Module):
             raise UserLoopError(f"the model cannot be trained with per-sample gradients: {err}") from err
 
     def _fall_back(self, err: Exception) -> None:
-        cls = type(self._module)
-        if cls not in per_sample.LINEARIZED_FAILED:
+        kind = per_sample.model_kind(self._module)
+        if kind not in per_sample.LINEARIZED_FAILED:
             reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-            per_sample.LINEARIZED_FAILED[cls] = reason
+            per_sample.LINEARIZED_FAILED[kind] = reason
             log(WARNING, "per-sample gradients of %s: torch.func cannot handle the model (%s); "
-                "using Opacus's hooks", cls.__qualname__, reason)
+                "using Opacus's hooks", type(self._module).__qualname__, reason)
         if self._func is not None:
             self._func.close()
             self._func = None
@@ -217,13 +217,16 @@ class PrivateModule(nn.Module):
         assert self._func is not None
         if per_sample.BACKEND == "func" or per_sample.known_to_work(self._module):
             return self._func(*args, **kwargs)
-        rng = torch.get_rng_state()  # a random layer's draws are redone by the fallback
-        try:
-            return self._func(*args, **kwargs)
-        except per_sample.FuncUnsupported as err:  # before the output was used
-            torch.set_rng_state(rng)
-            self._fall_back(err)
-            return self._gsm(*args, **kwargs)
+        devices = sorted({p.device.index for p in self._module.parameters() if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices):
+            try:  # on failure the fallback redraws a random layer's draws from the same state
+                return self._func(*args, **kwargs)
+            except per_sample.FuncUnsupported as err:  # before the output was used
+                failed = err
+            except per_sample.BatchMixing as err:
+                raise UserLoopError(str(err)) from err
+        self._fall_back(failed)
+        return self._gsm(*args, **kwargs)
 
     def close(self) -> None:
         """Remove hooks and per-sample gradients; the model is left as it came."""
