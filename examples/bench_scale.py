@@ -152,13 +152,11 @@ def fedavg_main_recording(out: dict):
     from flwr.serverapp.strategy import FedAvg
 
     from flwr_jdp.joint_dp.config import parse_config
-    from flwr_jdp.joint_dp.owner_state import num_classes, owner_data
-    from flwr_jdp.models import build_model
+    from flwr_jdp.joint_dp.task import initial_model
 
     def main(grid, context):  # noqa: ANN001, ANN202
         cfg = parse_config(context.run_config)
-        data = owner_data(cfg)[0]
-        model = build_model(cfg.model, data.x_train.shape[1:], num_classes(cfg), cfg.norm, cfg.seed)
+        model = initial_model(cfg)
         strategy = FedAvg(min_train_nodes=cfg.num_owners, min_evaluate_nodes=cfg.num_owners,
                           min_available_nodes=cfg.num_owners)
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),

@@ -28,10 +28,11 @@ Trust models
     aggregator, the paper's billboard model) adds the noise once.
 
 Personal layers (joint-DP) are *decoupled* from the shared release (the default
-``personal-coupling``; see :mod:`flwr_jdp.joint_dp.owner_round`): the paper's
+``personal-coupling``; see :mod:`flwr_jdp.joint_dp.release`): the paper's
 Algorithm 1 takes the shared gradients through personal layers trained without
-noise, which leaves its record-level guarantee unproven, so ``--coupling
-interleaved`` reproduces it only for comparison.
+noise, which leaves its record-level guarantee unproven. Its committed results
+(``--coupling interleaved``, ``results/joint_dp/table1_interleaved.csv``) came
+from an earlier version; this one refuses that coupling, so they are a record only.
 
 Hyperparameters (learning rates, clipping norm, batch size, GroupNorm) come from
 :data:`HPARAMS`. They were fixed a priori and never tuned on the test split.
@@ -546,9 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--personal", default="fc1", help="personal layers: fc1, conv1, conv2, "
                         "conv1+fc1, conv2+fc1, conv1+conv2, conv1+conv2+fc1 (the paper's Table 2), "
                         "fc1+fc2, conv1+fc1+fc2 (both heads personal)")
-    parser.add_argument("--coupling", choices=("decoupled", "interleaved"), default="decoupled",
-                        help="joint-dp personal layers: decoupled from the shared release (DP holds) or "
-                        "interleaved (the paper's Algorithm 1; record-level guarantee not established)")
+    parser.add_argument("--coupling", choices=("decoupled",), default="decoupled",
+                        help="joint-dp personal layers: decoupled from the shared release (DP holds); the "
+                        "paper's Algorithm 1 ('interleaved', archived results only) is refused")
     parser.add_argument("--learning-rate", type=_positive(float), default=None,
                         help="learning rate of the shared parameters (default: the method's; choose it "
                         "on validation with examples/joint_dp/tune.py --learning-rates)")

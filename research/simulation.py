@@ -102,9 +102,10 @@ def simulate(
         client.evaluate()(with_config(mtl_app.evaluate, "evaluate"))
         server_main = mtl_app.main
     else:
-        client.query()(with_config(jdp_client.setup, "query"))
-        client.train()(with_config(jdp_client.train, "train"))
-        client.evaluate()(with_config(jdp_client.evaluate_owners, "evaluate"))
+        # the app itself, mods included (one SuperNode hosts several owners)
+        client.query()(with_config(jdp_client.app, "query"))
+        client.train()(with_config(jdp_client.app, "train"))
+        client.evaluate()(with_config(jdp_client.app, "evaluate"))
         server_main = server_app.main
     timing: dict[str, Any] = {}
 

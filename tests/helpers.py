@@ -8,11 +8,11 @@ import socket
 import sys
 from pathlib import Path
 
-from flwr_jdp.strategies import JointDP
-
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp.client_app import app as client_app
 from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.server_app import initial_arrays
+from flwr_jdp.strategies import JointDP
 
 
 def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None, node_config=None):
@@ -20,7 +20,7 @@ def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None, node_config=
     cfg = parse_config(run_config)
     grid = InProcessGrid(client_app, num_nodes, run_config, fault=fault, node_config=node_config)
     strategy = JointDP(cfg, node_settle_s=0.0)  # in-process nodes all exist at once
-    result = strategy.start(grid=grid)
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(cfg))
     return strategy, grid, result
 
 

@@ -1,18 +1,23 @@
 """Random translation of the owners' own training images (run-config
-``augment-shift``): what it does to a batch, where it applies, and that no DP
-release depends on it."""
+``augment-shift``): what it does to a batch, where it applies (the own app's
+``train`` on the owner's own loader: the personal fit), and that no DP release
+depends on it."""
 
 import copy
 
 import numpy as np
 import pytest
 import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
-from flwr_jdp.joint_dp import owner_round as owner_round_module
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import client_app, protocol
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
-from flwr_jdp.joint_dp.owner_round import OwnerPlan, fit_personal, train_owner_round
-from flwr_jdp.joint_dp.owner_state import new_model, owner_data, public_personal
-from flwr_jdp.params import get_arrays
+from flwr_jdp.joint_dp.owner_store import load_personal_arrays
+from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
+from flwr_jdp.joint_dp.server_app import initial_arrays
+from flwr_jdp.joint_dp.task import initial_model, loader, node_job_config, owner_data, train
+from flwr_jdp.params import split_parameters
 from flwr_jdp.training import train_plain
 from flwr_jdp.training.augment import random_shift
 from research.reproduce_joint_dp import Cell, comparable, run_config
@@ -67,53 +72,72 @@ def test_cell_names_and_configures_the_shift(tmp_path):
         Cell("fashion-mnist", 256, "per-silo", augment=9)
 
 
-def test_train_plain_augments_only_when_asked(run_config):
+def test_train_augments_only_when_asked(run_config):
+    """The own app's ``train`` (and ``train_plain``, the FedAvg baseline's): the same
+    seeded batches give the same model without a shift, another one with it."""
     cfg = parse_config({**run_config, "method": "per-silo"})
     data = owner_data(cfg)[0]
-    base, _ = new_model(cfg, data)
+    base = initial_model(cfg)
     trained = {}
     for shift in (0, 0, 1):
-        model = copy.deepcopy(base)
-        train_plain(model, list(model.parameters()), data.x_train, data.y_train, epochs=1,
+        model, twin = copy.deepcopy(base), copy.deepcopy(base)
+        train(model, loader(cfg, data, torch.Generator().manual_seed(2)), epochs=1, lr=0.1,
+              augment_shift=shift, generator=torch.Generator().manual_seed(3))
+        train_plain(twin, list(twin.parameters()), data.x_train, data.y_train, epochs=1,
                     batch_size=16, lr=0.1, generator=torch.Generator().manual_seed(2),
                     augment_shift=shift)
-        trained.setdefault(shift, []).append(model)
-    same = zip(trained[0][0].parameters(), trained[0][1].parameters(), strict=True)
-    assert all(torch.equal(p, q) for p, q in same)
-    moved = zip(trained[0][0].parameters(), trained[1][0].parameters(), strict=True)
-    assert any(not torch.equal(p, q) for p, q in moved)
+        trained.setdefault(shift, []).append((model, twin))
+    for i in (0, 1):
+        same = zip(trained[0][0][i].parameters(), trained[0][1][i].parameters(), strict=True)
+        assert all(torch.equal(p, q) for p, q in same)
+        moved = zip(trained[0][0][i].parameters(), trained[1][0][i].parameters(), strict=True)
+        assert any(not torch.equal(p, q) for p, q in moved)
 
 
-def test_fit_personal_augments_the_head_through_the_trunk(run_config, monkeypatch):
-    """With a shift the cached-feature fast path (one trunk pass per fit) cannot
-    hold, so the head is trained through the trunk on translated images."""
-    cfg = parse_config({**run_config, "method": "joint-dp", "augment-shift": 2})
-    data = owner_data(cfg)[0]
-    model, split = new_model(cfg, data)
-
-    def no_cache(*args, **kwargs):
-        raise AssertionError("features cached although the images are augmented")
-
-    monkeypatch.setattr(owner_round_module, "trunk_features", no_cache)
-    before = get_arrays(model, split.personal)
-    fit_personal(model, split, data, cfg, torch.Generator().manual_seed(0))
-    after = get_arrays(model, split.personal)
-    assert any(not np.array_equal(before[n], after[n]) for n in split.personal)
+def _round(run_config, owner=1):
+    """One train round of ``owner`` through the own app's handler on a fresh node
+    (set-up first, as the server does); returns (release, saved personal state)."""
+    ctx = Context(run_id=1, node_id=1000 + owner, node_config={"partition-id": owner, "num-partitions": 4},
+                  state=RecordDict(), run_config=dict(run_config))
+    cfg = node_job_config(ctx)
+    rec = initial_arrays(cfg)
+    split = split_parameters(initial_model(cfg), cfg.effective_personal_rule)
+    InProcessGrid(client_app.app, 1, ctx.run_config)  # stamps message identities
+    query = Message(RecordDict({protocol.CONFIG: ConfigRecord(), protocol.PUBLIC_PERSONAL: protocol.to_record(
+        {n: rec[n].numpy() for n in split.personal})}), dst_node_id=ctx.node_id, message_type=MessageType.QUERY)
+    setup = client_app.app(query, ctx)
+    assert setup.has_content(), setup.error.reason
+    size = setup.content[protocol.SETUP]
+    schedule = build_schedule(cfg, {owner: OwnerSize(size[protocol.NUM_RECORDS][0], size[protocol.NUM_USERS][0])})
+    instruction = ConfigRecord({
+        protocol.ROUND: 1, protocol.OWNERS: [owner], protocol.SAMPLE_RATES: [schedule.owner_rates[owner]],
+        protocol.STEPS: [min(3, schedule.owner_steps[owner])], protocol.NOISE_MULTIPLIER: 1.0,
+        protocol.SESSION: "s1"})
+    msg = Message(RecordDict({protocol.SHARED: protocol.to_record({n: rec[n].numpy() for n in split.shared}),
+                              protocol.CONFIG: instruction}), dst_node_id=ctx.node_id, message_type=MessageType.TRAIN)
+    reply = client_app.app(msg, ctx)
+    assert reply.has_content(), reply.error.reason
+    release = {k: reply.content["arrays"][k].numpy() for k in reply.content["arrays"].keys()}
+    return release, load_personal_arrays(ctx, owner, "s1")
 
 
 @pytest.mark.parametrize("placement", ["local", "central"])
-def test_dp_release_does_not_depend_on_the_shift(run_config, placement):
-    """The shared release (DP-SGD under local noise, a clipped gradient sum under
-    central noise) is computed on unaugmented records: its sensitivity and its
-    ledger event are those of a run without the key."""
-    releases = []
-    for shift in (0, 3):
-        cfg = parse_config({**run_config, "method": "joint-dp", "noise-placement": placement,
-                            "augment-shift": shift})
-        data = owner_data(cfg)[1]
-        model, split = new_model(cfg, data)
-        out, _ = train_owner_round(model, split, data, cfg, OwnerPlan(0.5, 3, 1.0),
-                                   torch.Generator().manual_seed(9), public_personal(cfg, data))
-        releases.append(out)
-    for name in releases[0]:
-        np.testing.assert_array_equal(releases[0][name], releases[1][name])
+def test_the_personal_fit_is_augmented_and_the_dp_release_is_not(run_config, placement):
+    """Through the own ClientApp's train handler with the same noise seed: the shared
+    release (DP-SGD under local noise, a clipped gradient sum under central noise) is
+    computed on unaugmented Poisson batches, bit for bit that of a run without the
+    key (so its sensitivity and ledger event are too); the personal layers, fitted on
+    the owner's own batches, are fitted on translated images."""
+    rounds = {}
+    for shift in (0, 0, 3):
+        rc = dict(run_config, **{"method": "joint-dp", "noise-placement": placement, "augment-shift": shift})
+        rounds.setdefault(shift, []).append(_round(rc))
+    (plain, personal), (again, personal_again) = rounds[0]
+    shifted, personal_shifted = rounds[3][0]
+    assert list(plain) == list(shifted) and plain
+    for name in plain:
+        np.testing.assert_array_equal(plain[name], shifted[name])
+        np.testing.assert_array_equal(plain[name], again[name])
+    for name in personal:  # a seeded round is reproducible ...
+        np.testing.assert_array_equal(personal[name], personal_again[name])
+    assert any(not np.array_equal(personal[n], personal_shifted[n]) for n in personal)  # ... the shift acts

@@ -39,25 +39,25 @@ def _assert_each_round_charged_on_disk_before_sending(grid, rounds):
 
 
 def test_joint_dp(run_config, tmp_path):
-    from flwr_jdp.strategies import JointDP
-
     from flwr_jdp.joint_dp import protocol
     from flwr_jdp.joint_dp.client_app import app
     from flwr_jdp.joint_dp.config import parse_config
+    from flwr_jdp.joint_dp.server_app import initial_arrays
+    from flwr_jdp.strategies import JointDP
 
     for placement in ("local", "central"):
         rc = dict(run_config, **{"noise-placement": placement, "results-dir": str(tmp_path / placement)})
         grid = SpyGrid(app, 2, rc, ledger_path=tmp_path / placement / "ledger.json",
                        round_of=lambda m: int(m.content[protocol.CONFIG][protocol.ROUND]))
-        JointDP(parse_config(rc), node_settle_s=0.0).start(grid=grid)
+        cfg = parse_config(rc)
+        JointDP(cfg, node_settle_s=0.0).start(grid=grid, initial_arrays=initial_arrays(cfg))
         _assert_each_round_charged_on_disk_before_sending(grid, [1, 2])
 
 
 def test_dp_mtl(tmp_path):
-    from flwr_jdp.strategies import DPMeanRegularizedMTL
-
     from flwr_jdp.mtl.app import client
     from flwr_jdp.mtl.config import parse_mtl_config
+    from flwr_jdp.strategies import DPMeanRegularizedMTL
 
     rc = {"num-tasks": 8, "samples-per-task": 10, "dim": 4, "rounds": 2, "target-epsilon": 3.0,
           "noise-seed": 4, "results-dir": str(tmp_path / "res"), "resume": False}
@@ -70,10 +70,9 @@ def test_dp_mtl(tmp_path):
 
 
 def test_priv_altmin_ledger_grows_on_disk_before_each_epoch(tmp_path):
-    from flwr_jdp.strategies import PrivAltMin
-
     from flwr_jdp.altmin.app import client
     from flwr_jdp.altmin.config import parse_altmin_config
+    from flwr_jdp.strategies import PrivAltMin
 
     rc = {"num-users": 300, "dim": 4, "rank": 2, "epochs": 2, "target-epsilon": 4.0,
           "noise-seed": 11, "results-dir": str(tmp_path / "run")}

@@ -1,6 +1,8 @@
 """Speed-ups that must not change a single number: the no-grad pooling path, the
-personal-head fit on cached trunk features, the written-out SGD step and the
-per-process model template."""
+written-out SGD step, the per-process model template, the frozen personal layers of
+a DP-SGD release and the public personal values swapped into the owner's model for
+its release instead of a copy (flwr_jdp/joint_dp/release.py); and the set-up's waits
+and retries."""
 
 import copy
 
@@ -8,14 +10,26 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import client_app, protocol
 from flwr_jdp.joint_dp.config import parse_config
-from flwr_jdp.joint_dp.owner_round import _head_only, fit_personal
-from flwr_jdp.joint_dp.owner_state import new_model, owner_data, shared_arrays, shared_digest
+from flwr_jdp.joint_dp.owner_store import (
+    load_personal_arrays,
+    owner_generator,
+    save_personal_arrays,
+    shared_arrays,
+    shared_digest,
+)
 from flwr_jdp.joint_dp.protocol import to_record
+from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
+from flwr_jdp.joint_dp.server_app import initial_arrays
+from flwr_jdp.joint_dp.task import initial_model, loader, node_job_config, owner_data
 from flwr_jdp.models.pooling import MaxPool2x2
-from flwr_jdp.params import get_arrays
+from flwr_jdp.params import get_arrays, set_arrays, split_parameters
 from flwr_jdp.training import train_plain
+from flwr_jdp.training.user_loop import private_training
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 28, 28), (2, 8, 14, 14), (2, 3, 7, 7), (1, 2, 5, 6)])
@@ -58,36 +72,14 @@ def test_train_plain_is_torch_sgd():
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("rule,head_only", [(r"^fc1\.", True), (r"^(conv1|fc1)\.", False)])
-def test_fit_personal_on_cached_features_equals_full_model(run_config, rule, head_only):
-    cfg = parse_config({**run_config, "method": "joint-dp", "personal-layers": rule,
-                        "local-epochs": 2, "batch-size": 7})
-    data = owner_data(cfg)[1]
-    model, split = new_model(cfg, data)
-    assert _head_only(model, split) is head_only
-    twin = copy.deepcopy(model)
-    fit_personal(model, split, data, cfg, torch.Generator().manual_seed(5))
-    params = dict(twin.named_parameters())
-    train_plain(twin, [params[n] for n in split.personal], data.x_train, data.y_train,
-                epochs=2, batch_size=7, lr=cfg.personal_learning_rate,
-                generator=torch.Generator().manual_seed(5))
-    after, ref = get_arrays(model, split.personal), get_arrays(twin, split.personal)
-    for n in split.personal:
-        np.testing.assert_allclose(after[n], ref[n], rtol=0, atol=1e-6)
-    assert any(not np.array_equal(after[n], get_arrays(new_model(cfg, data)[0], split.personal)[n])
-               for n in split.personal)  # the fit did move the personal parameters
-    for n in split.shared:  # shared parameters untouched
-        np.testing.assert_array_equal(get_arrays(model, (n,))[n], get_arrays(twin, (n,))[n])
-
-
-def test_new_model_copies_are_independent(run_config):
+def test_initial_model_copies_are_independent(run_config):
     cfg = parse_config({**run_config, "method": "joint-dp"})
     data = owner_data(cfg)[0]
-    first, split = new_model(cfg, data)
+    first = initial_model(cfg)
     with torch.no_grad():
         for p in first.parameters():
             p.add_(1.0)
-    second, _ = new_model(cfg, data)
+    second = initial_model(cfg)
     assert all(not torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters(), strict=True))
     from flwr_jdp.models import build_model
     fresh = build_model(cfg.model, data.x_train.shape[1:], 10, cfg.norm, cfg.seed)
@@ -97,7 +89,8 @@ def test_new_model_copies_are_independent(run_config):
 
 def test_shared_digest_same_for_record_and_arrays(run_config):
     cfg = parse_config({**run_config, "method": "joint-dp"})
-    model, split = new_model(cfg, owner_data(cfg)[0])
+    model = initial_model(cfg)
+    split = split_parameters(model, cfg.effective_personal_rule)
     arrays = get_arrays(model, split.shared)
     record = to_record(arrays)
     assert shared_digest(record) == shared_digest(arrays) == shared_digest(shared_arrays(record))
@@ -132,19 +125,6 @@ def test_wait_for_nodes(run_config, total, owners, settle):
         assert grid.calls == owners  # returned on the call that saw the last node
     else:
         assert grid.calls > total + 1  # kept polling after the last node, then stopped
-
-
-def test_fit_personal_with_no_records_is_a_no_op(run_config):
-    import dataclasses
-
-    cfg = parse_config({**run_config, "method": "joint-dp"})
-    data = owner_data(cfg)[0]
-    empty = dataclasses.replace(data, x_train=data.x_train[:0], y_train=data.y_train[:0])
-    model, split = new_model(cfg, data)
-    before = get_arrays(model, split.personal)
-    assert np.isnan(fit_personal(model, split, empty, cfg, torch.Generator().manual_seed(0)))
-    for n, v in get_arrays(model, split.personal).items():
-        np.testing.assert_array_equal(v, before[n])
 
 
 def _dp_setup(unit):
@@ -194,58 +174,103 @@ def test_frozen_personal_layers_change_no_released_number(unit, monkeypatch):
         assert torch.equal(fast_state[name], dict(_dp_setup(unit)[0].state_dict())[name])
 
 
+def _owner_node(run_config, owner):
+    """The own app's set-up for ``owner`` (as the server sends it); returns the
+    context, the public personal values and the shared broadcast."""
+    ctx = Context(run_id=1, node_id=1000 + owner, node_config={"partition-id": owner, "num-partitions": 4},
+                  state=RecordDict(), run_config=dict(run_config))
+    cfg = node_job_config(ctx)
+    rec = initial_arrays(cfg)
+    split = split_parameters(initial_model(cfg), cfg.effective_personal_rule)
+    public = {n: rec[n].numpy() for n in split.personal}
+    shared = {n: rec[n].numpy() for n in split.shared}
+    InProcessGrid(client_app.app, 1, ctx.run_config)  # stamps message identities
+    query = Message(RecordDict({protocol.CONFIG: ConfigRecord(), protocol.PUBLIC_PERSONAL: to_record(public)}),
+                    dst_node_id=ctx.node_id, message_type=MessageType.QUERY)
+    setup = client_app.app(query, ctx)
+    assert setup.has_content(), setup.error.reason
+    return ctx, public, shared
+
+
 @pytest.mark.parametrize("placement,unit", [("local", "record"), ("local", "user"), ("central", "record")])
 def test_release_on_swapped_public_personal_equals_release_on_a_copy(run_config, placement, unit):
     """The decoupled release is computed on the owner's model with the public personal
-    values swapped in, instead of on a copy (:func:`release_model`): the released
-    arrays must be the copy's bit for bit, and the owner's model (values, flags,
-    training mode) must come out as it went in."""
-    from flwr_jdp.joint_dp.owner_round import OwnerPlan, _decoupled_release, release_model, train_owner_round
-    from flwr_jdp.joint_dp.owner_state import public_personal
-    from flwr_jdp.privacy.mechanisms import torch_generator
-
+    values swapped in (:func:`~flwr_jdp.joint_dp.release.public_personal_swapped`),
+    instead of on a copy: the arrays the client half releases must be the copy's bit
+    for bit, and the owner's model (values, flags, training mode) and its saved
+    personal state must come out as they went in."""
     run_config.update({"method": "joint-dp", "noise-placement": placement, "privacy-unit": unit,
                        "records-per-user": 3})
-    cfg = parse_config(run_config)
-    data = owner_data(cfg)[1]
-    model, split = new_model(cfg, data)
-    with torch.no_grad():  # personal state unlike the public values
-        for n, p in model.named_parameters():
-            if n in split.personal:
-                p.add_(1.0)
+    owner = 1
+    ctx, public, shared = _owner_node(run_config, owner)
+    cfg = node_job_config(ctx)
+    data = owner_data(cfg)[owner]
+    model = initial_model(cfg)
+    split = split_parameters(model, cfg.effective_personal_rule)
+    # personal state unlike the public values, already fitted on this broadcast (so
+    # the round fits nothing and only the release touches the model)
+    mine = {n: v + np.float32(1.0) for n, v in public.items()}
+    save_personal_arrays(ctx, owner, mine, "s1", fit_on=shared_digest(shared))
+    users = np.unique(data.user_ids, return_inverse=True)[1] if unit == "user" else np.arange(len(data.y_train))
+    schedule = build_schedule(cfg, {owner: OwnerSize(len(data.y_train), int(users.max()) + 1)})
+    q, steps = schedule.owner_rates[owner], min(3, schedule.owner_steps[owner])
+    instruction = ConfigRecord({protocol.ROUND: 1, protocol.OWNERS: [owner], protocol.SAMPLE_RATES: [q],
+                                protocol.STEPS: [steps], protocol.NOISE_MULTIPLIER: 1.0, protocol.SESSION: "s1"})
+    msg = Message(RecordDict({protocol.SHARED: to_record(shared), protocol.CONFIG: instruction}),
+                  dst_node_id=ctx.node_id, message_type=MessageType.TRAIN)
+    own = loader(cfg, data, torch.Generator().manual_seed(0))
+    train_fn = client_app._train_fn(cfg, own, torch.Generator().manual_seed(1))
     model.eval()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    public = public_personal(cfg, data)
-    plan = OwnerPlan(sample_rate=0.5, steps=3, noise_multiplier=1.0)
-    fast, _ = train_owner_round(model, split, data, cfg, plan, torch_generator(5), public)
-    ref, _ = _decoupled_release(release_model(copy.deepcopy(model), split, public), split, data,
-                                cfg, plan, torch_generator(5))
+    reply = client_app.jdp.train(msg, ctx, model, own, train_fn)
+    assert reply.has_content(), reply.error.reason
+    fast = {k: reply.content["arrays"][k].numpy() for k in reply.content["arrays"].keys()}
+
+    copy_ = initial_model(cfg)  # the copy: broadcast shared values, public personal values, frozen
+    set_arrays(copy_, shared)
+    set_arrays(copy_, public)
+    for n, p in copy_.named_parameters():
+        p.requires_grad_(n in split.shared)
+    central = placement == "central"
+    with private_training(copy_, own, unit_of_record=torch.from_numpy(users.astype(np.int64)),
+                          num_units=int(users.max()) + 1, sample_rate=q, steps=1 if central else steps,
+                          noise_multiplier=1.0, clipping_norm=cfg.clipping_norm,
+                          generator=owner_generator(cfg, 1, owner), capture=central) as (private, ploader, record):
+        train_fn(private, ploader)
+    if central:
+        ref = {n: s.detach().numpy().astype(np.float32) for n, s in zip(split.shared, record.clipped_sum, strict=True)}
+    else:
+        ref = get_arrays(copy_, split.shared)
     assert list(fast) == list(ref) == list(split.shared)
     for n in split.shared:
         assert np.array_equal(fast[n], ref[n]), n
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert any(not np.array_equal(fast[n], shared[n]) for n in split.shared)  # a release happened
+    after = get_arrays(model, split.shared + split.personal)
+    for n in split.shared:
+        assert np.array_equal(after[n], shared[n]), n
+    for n in split.personal:
+        assert np.array_equal(after[n], mine[n]), n
+        assert np.array_equal(load_personal_arrays(ctx, owner, "s1")[n], mine[n]), n
+    assert all(p.requires_grad for p in model.parameters())
     assert not any(m.training for m in model.modules())
 
 
 class _SetupGrid:
-    """Two connected nodes hosting owners {0, 1} and {2, 3}; ``silent`` nodes drop the
-    first ``silent[n]`` set-up queries sent to them (busy or still starting)."""
+    """Two connected nodes hosting owners {0, 1} and {2, 3} with the seed CNN;
+    ``silent`` nodes drop the first ``silent[n]`` set-up queries sent to them (busy or
+    still starting)."""
 
-    def __init__(self, silent):
+    def __init__(self, silent, model):
         from types import SimpleNamespace
 
         self.silent, self.asked = dict(silent), []
         self._ns = SimpleNamespace
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shapes = ["x".join(str(d) for d in p.shape) for _, p in model.named_parameters()]
 
     def get_node_ids(self):
         return [1, 2]
 
     def send_and_receive(self, messages, timeout=None):
-        from flwr_jdp.joint_dp import protocol
-
         replies = []
         for msg in messages:
             node = msg.metadata.dst_node_id
@@ -255,7 +280,7 @@ class _SetupGrid:
                 continue
             owners = [0, 1] if node == 1 else [2, 3]
             rec = {protocol.OWNER_IDS: owners, protocol.NUM_RECORDS: [10, 10], protocol.NUM_USERS: [10, 10],
-                   protocol.IMAGE_SHAPE: [1, 28, 28], protocol.NUM_CLASSES: 10}
+                   protocol.PARAM_NAMES: self.names, protocol.PARAM_SHAPES: self.shapes}
             replies.append(self._ns(has_error=lambda: False, metadata=self._ns(src_node_id=node),
                                     content={protocol.SETUP: rec}))
         return replies
@@ -267,31 +292,31 @@ def test_setup_asks_a_silent_node_again_and_names_it_if_it_never_answers(run_con
     mismatch, where every node answered, still names the key."""
     from types import SimpleNamespace
 
-    from flwr_jdp.strategies import JointDP
-
     import flwr_jdp.joint_dp.strategy as module
     from flwr_jdp.joint_dp.config import ConfigError
+    from flwr_jdp.strategies import JointDP
 
     # outside a Flower run a Message cannot be built; the grid only reads its address
     monkeypatch.setattr(module, "Message", lambda content, dst_node_id, message_type:
                         SimpleNamespace(metadata=SimpleNamespace(dst_node_id=dst_node_id)))
 
     cfg = parse_config({**run_config, "num-owners": 4})
-    grid = _SetupGrid({2: 1})
-    JointDP(cfg, node_settle_s=0).setup(grid, timeout=30.0)
+    model, arrays = initial_model(cfg), initial_arrays(cfg)
+    grid = _SetupGrid({2: 1}, model)
+    JointDP(cfg, node_settle_s=0).setup(grid, timeout=30.0, initial_arrays=arrays)
     assert grid.asked == [1, 2, 2]  # node 2 asked again, node 1 not
 
     with pytest.raises(RuntimeError, match=r"1 of 2 connected nodes did not answer the set-up query within 1.5 s \(nodes \[2\]\)"):
-        JointDP(cfg, node_settle_s=0).setup(_SetupGrid({2: 10**6}), timeout=1.5)
+        JointDP(cfg, node_settle_s=0).setup(_SetupGrid({2: 10**6}, model), timeout=1.5, initial_arrays=arrays)
 
     with pytest.raises(ConfigError, match=r"'num-owners'=5 but no node hosts owners \[4\]"):
         JointDP(parse_config({**run_config, "num-owners": 5}), node_settle_s=0).setup(
-            _SetupGrid({}), timeout=1.5)
+            _SetupGrid({}, model), timeout=1.5, initial_arrays=arrays)
 
 
 def test_preload_opacus_imports_it_once_in_a_background_thread():
-    """The set-up query's preload: one non-daemon thread per process, after which
-    the first use finds the module (checked in a fresh process, where Opacus is not
+    """``preload_opacus``: one non-daemon thread per process, after which the first
+    use finds the module (checked in a fresh process, where Opacus is not
     imported yet)."""
     import subprocess
     import sys

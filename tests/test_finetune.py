@@ -1,17 +1,27 @@
 """Adaptation of each owner's final model to its own data (joint DP, run-config
-``finetune-epochs``): the model evaluated after the last round changes, nothing
-sent or stored does, and the ledger is that of a run without it."""
+``finetune-epochs``, done by the own app's evaluate handler on a copy): the model
+evaluated after the last round changes, nothing sent or stored does, and the ledger
+is that of a run without it."""
 
 import numpy as np
 import pytest
 import torch
-from flwr_jdp.strategies import load_results
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
-from flwr_jdp.joint_dp import protocol
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import client_app, protocol
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
-from flwr_jdp.joint_dp.owner_round import adapted_model
-from flwr_jdp.joint_dp.owner_state import new_model, owner_data
-from flwr_jdp.params import get_arrays
+from flwr_jdp.joint_dp.owner_store import (
+    load_personal_arrays,
+    personal_fit_on,
+    save_personal_arrays,
+    shared_digest,
+    trained_rounds,
+)
+from flwr_jdp.joint_dp.server_app import initial_arrays
+from flwr_jdp.joint_dp.task import initial_model, node_job_config, owner_data
+from flwr_jdp.params import split_parameters
+from flwr_jdp.strategies import load_results
 from flwr_jdp.training import evaluate
 from research.reproduce_joint_dp import comparable
 
@@ -43,26 +53,71 @@ def test_runs_stored_before_the_keys_existed_compare_equal():
     assert comparable({"seed": 0, "finetune-epochs": 3}) == {"seed": 0, "finetune-epochs": 3}
 
 
-def test_adapted_model_trains_every_parameter_of_a_copy():
-    cfg = parse_config({"method": "joint-dp", "finetune-epochs": 3, "finetune-learning-rate": 0.2,
-                        "num-owners": 2, "batch-size": 16})
-    data = owner_data(cfg)[0]
-    model, split = new_model(cfg, data)
-    names = split.shared + split.personal
-    assert split.shared and split.personal
-    before = get_arrays(model, names)
-    out = adapted_model(model, data, cfg, torch.Generator().manual_seed(0))
-    after = get_arrays(model, names)
-    for k, v in before.items():  # the owner's own model is untouched
-        np.testing.assert_array_equal(after[k], v)
-    adapted = get_arrays(out, names)
-    for k, v in before.items():  # every parameter of the copy moved (shared and personal)
-        assert not np.allclose(adapted[k], v), k
-    # and it fits the owner's training records better than the model it started from
-    assert evaluate(out, data.x_train, data.y_train)[0] < evaluate(model, data.x_train, data.y_train)[0]
-    none = adapted_model(model, data, parse_config({"method": "joint-dp"}), torch.Generator())
-    for k, v in get_arrays(none, names).items():
-        np.testing.assert_array_equal(v, before[k])
+def _evaluate(monkeypatch, rc, server_round, owner=0):
+    """The own app's evaluate handler for ``owner`` at ``server_round``, its personal
+    state (not the public values) already fitted on the broadcast. Returns the
+    reply, the model the handler tested (a copy), the owner's own model (broadcast
+    plus personal state), the owner's state before and after, and its data."""
+    ctx = Context(run_id=1, node_id=1000 + owner, node_config={"partition-id": owner, "num-partitions": 2},
+                  state=RecordDict(), run_config=dict(rc))
+    cfg = node_job_config(ctx)
+    rec = initial_arrays(cfg)
+    split = split_parameters(initial_model(cfg), cfg.effective_personal_rule)
+    shared = {n: rec[n].numpy() for n in split.shared}
+    personal = {n: rec[n].numpy() + np.float32(0.01) for n in split.personal}
+    save_personal_arrays(ctx, owner, personal, "s1", fit_on=shared_digest(shared))  # one trained round
+    tested = []
+
+    def spy(model, x, y):  # the app's own test function, watched
+        tested.append({n: p.detach().numpy().copy() for n, p in model.named_parameters()})
+        return real_test(model, x, y)
+
+    real_test = client_app.test
+    monkeypatch.setattr(client_app, "test", spy)
+    InProcessGrid(client_app.app, 1, ctx.run_config)  # stamps message identities
+    msg = Message(RecordDict({protocol.SHARED: protocol.to_record(shared), protocol.CONFIG: ConfigRecord(
+        {protocol.ROUND: server_round, protocol.SESSION: "s1"})}), dst_node_id=ctx.node_id,
+        message_type=MessageType.EVALUATE)
+    reply = client_app.app(msg, ctx)
+    assert reply.has_content(), reply.error.reason
+    assert len(tested) == 1
+    state = (load_personal_arrays(ctx, owner, "s1"), trained_rounds(ctx, owner, "s1"),
+             personal_fit_on(ctx, owner, "s1"))
+    return reply, tested[0], {**shared, **personal}, state, owner_data(cfg)[owner]
+
+
+def test_the_evaluated_model_after_the_last_round_is_an_adapted_copy(monkeypatch):
+    """Every parameter of the copy (shared and personal) moves, and it fits the
+    owner's training records better than the owner's model; the owner's stored
+    state is untouched and the reply carries metrics only. Before the last round,
+    or without the key, the owner's own model is evaluated."""
+    rc = {"method": "joint-dp", "num-owners": 2, "num-rounds": 3, "batch-size": 16,
+          "finetune-epochs": 3, "finetune-learning-rate": 0.2}
+    reply, tested, own, (personal, rounds, fit_on), data = _evaluate(monkeypatch, rc, server_round=3)
+    assert set(reply.content.keys()) == {protocol.METRICS}
+    assert set(tested) == set(own)
+    for k, v in own.items():
+        assert not np.allclose(tested[k], v), k
+    for k, v in personal.items():  # the stored personal state is the owner's, not the adapted copy's
+        np.testing.assert_array_equal(v, own[k])
+    assert rounds == 1 and fit_on == shared_digest({k: v for k, v in own.items() if k not in personal})
+
+    def train_loss(arrays):
+        model = initial_model(parse_config(rc))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(torch.from_numpy(arrays[n]))
+        return evaluate(model, data.x_train, data.y_train)[0]
+
+    assert train_loss(tested) < train_loss(own)
+    adapted_loss = float(reply.content[protocol.METRICS][protocol.LOSS])
+    for over, server_round in (({}, 2), ({"finetune-epochs": 0}, 3)):
+        reply, tested, own, (personal, *_), _ = _evaluate(monkeypatch, dict(rc, **over), server_round)
+        for k, v in own.items():
+            np.testing.assert_array_equal(tested[k], v)
+        for k, v in personal.items():
+            np.testing.assert_array_equal(v, own[k])
+        assert float(reply.content[protocol.METRICS][protocol.LOSS]) != adapted_loss
 
 
 @pytest.mark.parametrize("placement", ["local", "central"])

@@ -12,17 +12,18 @@ from flwr.serverapp.strategy import (
     FedAvgM,
     FedMedian,
 )
-from flwr_jdp.strategies import JointDP
 
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp.client_app import app as client_app
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp.server_app import initial_arrays
+from flwr_jdp.strategies import JointDP
 
 
 def _run(run_config, inner=None):
     cfg = parse_config(run_config)
     strategy = JointDP(cfg, node_settle_s=0.0, inner=inner)
-    result = strategy.start(grid=InProcessGrid(client_app, 2, run_config))
+    result = strategy.start(grid=InProcessGrid(client_app, 2, run_config), initial_arrays=initial_arrays(cfg))
     return strategy, result
 
 

@@ -360,7 +360,8 @@ def test_the_interleaved_coupling_and_a_bad_loss_reduction_are_refused():
     with pytest.raises(ConfigError, match="must be 'decoupled'"):
         jdp.config(ctx)
     owner = _node({"jdp.personal-coupling": "interleaved", "jdp.privacy-unit": "owner"})
-    assert owner[1].config(owner[2]).unit.value == "owner"  # the owner unit has no coupling
+    with pytest.raises(ConfigError, match="jdp.personal-coupling' must be 'decoupled'"):
+        owner[1].config(owner[2])  # refused for every unit: there is one coupling
     with pytest.raises(ValueError, match="loss_reduction"):
         JointDPClient(ClientApp(), model_fn=Wide, train_data=lambda c: None, loss_reduction="max")
 
@@ -609,4 +610,4 @@ def test_the_server_accepts_the_shapes_the_client_reports_also_for_a_scalar():
     assert "scalar" in list(rec[protocol.PARAM_SHAPES])
     server = JointDP()
     server.model_spec = spec_of(ArrayRecord(dict(WithScalar().named_parameters())))
-    server._check_dropin_model(list(rec[protocol.PARAM_NAMES]), list(rec[protocol.PARAM_SHAPES]), 7)
+    server._check_model(list(rec[protocol.PARAM_NAMES]), list(rec[protocol.PARAM_SHAPES]), 7)

@@ -1,9 +1,11 @@
-"""An owner's state on its node (flwr_jdp/joint_dp/owner_store.py, owner_state.py),
-written for mutation testing (docs/mutation.md): personal arrays saved equal
-personal arrays loaded (``context.state`` and, after a restart, the node's
-``state-dir``), the rounds and broadcast they were fitted on, the owner's own
-ledger charged before anything is trained, the instruction read strictly, the
-per-round generator. No data set, no Flower run."""
+"""An owner's state on its node (flwr_jdp/joint_dp/owner_store.py), written for
+mutation testing (docs/mutation.md): personal arrays saved equal personal arrays
+loaded (``context.state`` and, after a restart, the node's ``state-dir``), the
+rounds and broadcast they were fitted on, the owner's own ledger charged before
+anything is trained, the instruction read strictly, the per-round generator; and
+what flwr-jdp's own ClientApp builds from that state (the owners a node hosts, the
+seeded model and public personal values, the owner's model: the broadcast plus its
+own personal state). No Flower run; the own app's set-up reads the digits data."""
 
 import dataclasses
 import json
@@ -11,10 +13,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
-from flwr_jdp.joint_dp import owner_state, protocol
-from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import client_app, protocol, task
+from flwr_jdp.joint_dp.config import ConfigError, parse_config
 from flwr_jdp.joint_dp.owner_guard import Instruction, InstructionRefused, agreed_release
 from flwr_jdp.joint_dp.owner_store import (
     charge_owners,
@@ -30,8 +33,10 @@ from flwr_jdp.joint_dp.owner_store import (
     trained_rounds,
 )
 from flwr_jdp.joint_dp.schedule import OwnerSize
-from flwr_jdp.models import build_model
+from flwr_jdp.joint_dp.server_app import initial_arrays
+from flwr_jdp.joint_dp.task import initial_model, node_job_config
 from flwr_jdp.params import get_arrays, split_parameters
+from flwr_jdp.training.user_loop import UserLoopError
 
 
 def _ctx(node_config=None, run_config=None):
@@ -237,113 +242,158 @@ def test_nothing_is_charged_by_owners_under_central_noise_or_without_dp():
         assert not any(k.startswith("ledger.") for k in ctx.state.keys())
 
 
-# ------------------------------------------------------------------ owner_state
-def test_node_config_names_the_owners_a_node_hosts_and_its_data_dir():
-    cfg = parse_config({"num-owners": 10})
-    assert owner_state.my_owners(cfg, _ctx({"partition-id": 1, "num-partitions": 3})) == \
-        protocol.hosted_owners(10, 1, 3)
-    assert owner_state.my_owners(cfg, _ctx()) == list(range(10))
+# ------------------------------------------------------------------ the owner's model in the own app
+# What flwr-jdp's own ClientApp (client_app.py on task.py) builds from this state:
+# which owners a node hosts (hosting_mod), the node's data-dir, the seeded model,
+# the public personal values (server_app.initial_arrays) and the owner's model
+# (JointDPClient.load: the broadcast plus the owner's own personal state).
+RC = {"num-owners": 4, "batch-size": 32, "num-rounds": 2, "noise-seed": 3}
+
+
+def _message(ctx, content, message_type):
+    InProcessGrid(client_app.app, 1, ctx.run_config)  # stamps message identities
+    return Message(RecordDict(content), dst_node_id=ctx.node_id, message_type=message_type)
+
+
+def _public_and_shared(cfg):
+    """The server's initial arrays split into the public personal values (sent at
+    set-up) and the shared ones (the first broadcast)."""
+    rec = initial_arrays(cfg)
+    split = split_parameters(initial_model(cfg), cfg.effective_personal_rule, allow_empty=True)
+    return ({n: rec[n].numpy() for n in split.personal}, {n: rec[n].numpy() for n in split.shared})
+
+
+def _set_up(ctx):
+    """The set-up query as the server sends it; returns the reply's set-up record."""
+    public, _ = _public_and_shared(node_job_config(ctx))
+    reply = client_app.app(_message(ctx, {protocol.CONFIG: ConfigRecord(),
+                                          protocol.PUBLIC_PERSONAL: protocol.to_record(public)},
+                                    MessageType.QUERY), ctx)
+    assert reply.has_content(), reply.error.reason
+    return reply.content[protocol.SETUP]
+
+
+def _evaluate_msg(ctx, shared, session="s"):
+    return _message(ctx, {protocol.SHARED: protocol.to_record(shared),
+                          protocol.CONFIG: ConfigRecord({protocol.ROUND: 1, protocol.SESSION: session})},
+                    MessageType.EVALUATE)
+
+
+def test_a_node_hosts_the_owners_its_partition_names_and_reads_its_own_data_dir():
+    rc = dict(RC, **{"num-owners": 5})
+    hosted = _set_up(_ctx({"partition-id": 1, "num-partitions": 3}, rc))
+    assert list(hosted[protocol.OWNER_IDS]) == protocol.hosted_owners(5, 1, 3) == [1, 4]
+    assert len(hosted[protocol.NUM_RECORDS]) == 2 and min(hosted[protocol.NUM_RECORDS]) > 0
+    assert list(_set_up(_ctx({}, rc))[protocol.OWNER_IDS]) == list(range(5))  # a lone node hosts all
+    one = _set_up(_ctx({"partition-id": 3, "num-partitions": 5}, rc))  # one owner per node: itself
+    assert list(one[protocol.OWNER_IDS]) == [3]
     for bad in ({"partition-id": 3, "num-partitions": 3}, {"partition-id": -1, "num-partitions": 3}):
-        with pytest.raises(ValueError, match="partition-id"):
-            owner_state.my_owners(cfg, _ctx(bad))
+        ctx = _ctx(bad, rc)
+        reply = client_app.app(_message(ctx, {protocol.CONFIG: ConfigRecord()}, MessageType.QUERY), ctx)
+        assert reply.has_error() and "partition-id" in reply.error.reason
     ctx = _ctx({"data-dir": "/elsewhere"}, {"num-owners": 4})
-    assert owner_state.node_job_config(ctx).data_dir == "/elsewhere"
-    assert owner_state.node_job_config(_ctx({}, {"num-owners": 4, "data-dir": "/x"})).data_dir == "/x"
+    assert node_job_config(ctx).data_dir == "/elsewhere"
+    assert node_job_config(_ctx({}, {"num-owners": 4, "data-dir": "/x"})).data_dir == "/x"
 
 
-@dataclasses.dataclass
-class _Data:
-    owner_id: int
-    x_train: np.ndarray
-
-
-@pytest.fixture
-def tiny_model(monkeypatch):
-    """The seed CNN on 1x12x12 inputs, 3 classes (no data set read)."""
-    monkeypatch.setattr(owner_state, "num_classes", lambda cfg: 3)
-    owner_state._initial_model.cache_clear()
-    yield _Data(owner_id=6, x_train=np.zeros((2, 1, 12, 12), np.float32))
-    owner_state._initial_model.cache_clear()
-
-
-def test_the_owner_model_is_the_broadcast_plus_its_own_personal_state(tiny_model, tmp_path):
-    cfg = parse_config({"num-owners": 8})
-    model, split = owner_state.new_model(cfg, tiny_model)
+def test_the_owner_model_is_the_broadcast_plus_its_own_personal_state(tmp_path):
+    node = {"partition-id": 2, "num-partitions": 4, "state-dir": str(tmp_path)}
+    ctx = _ctx(node, RC)
+    cfg = node_job_config(ctx)
+    model = initial_model(cfg)
+    split = client_app.jdp._split(cfg, model)
     assert split.personal and split.shared
     seeded = dict(get_arrays(model, split.personal))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # a copy: the next model starts from the seeded values again
-    again, _ = owner_state.new_model(cfg, tiny_model)
-    _same(dict(get_arrays(again, split.personal)), seeded)
+    _same(dict(get_arrays(initial_model(cfg), split.personal)), seeded)
 
-    ctx = _ctx({"state-dir": str(tmp_path)})
-    shared = {n: np.full(a.shape, 0.25, a.dtype) for n, a in get_arrays(again, split.shared).items()}
-    fresh, _ = owner_state.load_owner_model(cfg, ctx, tiny_model, protocol.to_record(shared), "s")
-    _same(dict(get_arrays(fresh, split.personal)), seeded)  # no state yet: the seeded values
+    public, initial_shared = _public_and_shared(cfg)
+    _same(public, seeded)
+    _set_up(ctx)
+    shared = {n: np.full(a.shape, 0.25, a.dtype) for n, a in initial_shared.items()}
+    fresh = client_app.jdp.load(initial_model(cfg), _evaluate_msg(ctx, shared), ctx)
+    _same(dict(get_arrays(fresh, split.personal)), seeded)  # no state yet: the public values
     _same(dict(get_arrays(fresh, split.shared)), shared)
     mine = {n: np.full(a.shape, -0.5, a.dtype) for n, a in seeded.items()}
-    with torch.no_grad():
-        for n, p in fresh.named_parameters():
-            if n in mine:
-                p.copy_(torch.from_numpy(mine[n]))
-    owner_state.save_personal(ctx, 6, fresh, split, "s", fit_on="x")
-    assert trained_rounds(ctx, 6, "s") == 1 and personal_fit_on(ctx, 6, "s") == "x"
-    for context in (ctx, _ctx({"state-dir": str(tmp_path)})):  # also after a restart, from disk
-        loaded, _ = owner_state.load_owner_model(cfg, context, tiny_model, shared, "s")
+    save_personal_arrays(ctx, 2, mine, "s", fit_on="x")
+    assert trained_rounds(ctx, 2, "s") == 1 and personal_fit_on(ctx, 2, "s") == "x"
+    for context in (ctx, _ctx(node, RC)):  # also after a restart (no set-up since), from disk
+        loaded = client_app.jdp.load(initial_model(cfg), _evaluate_msg(context, shared), context)
         _same(dict(get_arrays(loaded, split.personal)), mine)
         _same(dict(get_arrays(loaded, split.shared)), shared)
-    unchanged, _ = owner_state.load_owner_model(cfg, ctx, tiny_model, None, "s")
-    _same(dict(get_arrays(unchanged, split.shared)), dict(get_arrays(again, split.shared)))
+    with pytest.raises(UserLoopError, match="does not match"):  # a broadcast must name every shared array
+        client_app.jdp.load(initial_model(cfg), _evaluate_msg(ctx, dict(list(shared.items())[1:])), ctx)
 
 
-def test_public_personal_values_are_seeded_or_a_zero_head(tiny_model):
-    cfg = parse_config({"num-owners": 8, "release-personal": "seeded", "personal-layers": r"^(conv1|fc1)\."})
-    model, split = owner_state.new_model(cfg, tiny_model)
-    seeded = owner_state.public_personal(cfg, tiny_model)
+def test_public_personal_values_are_seeded_or_a_zero_head():
+    cfg = parse_config({**RC, "release-personal": "seeded", "personal-layers": r"^(conv1|fc1)\."})
+    model = initial_model(cfg)
+    split = split_parameters(model, cfg.effective_personal_rule)
+    seeded, _ = _public_and_shared(cfg)
+    assert set(seeded) == set(split.personal)
     _same(seeded, dict(get_arrays(model, split.personal)))
     seeded[next(iter(seeded))] += 1.0  # a fresh copy each time
-    _same(owner_state.public_personal(cfg, tiny_model), dict(get_arrays(model, split.personal)))
-    zero = owner_state.public_personal(dataclasses.replace(cfg, release_personal="zero-head"), tiny_model)
+    _same(_public_and_shared(cfg)[0], dict(get_arrays(model, split.personal)))
+    seeded = _public_and_shared(cfg)[0]
+    zero = _public_and_shared(dataclasses.replace(cfg, release_personal="zero-head"))[0]
     head = tuple(model.HEAD_PREFIXES)
     assert head and any(n.startswith(head) for n in zero) and any(not n.startswith(head) for n in zero)
     for n, v in zero.items():
         assert v.shape == seeded[n].shape and v.dtype == seeded[n].dtype
         if n.startswith(head):
-            assert not v.any()
+            assert not v.any() and seeded[n].any()
         else:
-            np.testing.assert_array_equal(v, seeded[n] if n != next(iter(seeded)) else v)
+            np.testing.assert_array_equal(v, seeded[n])
             assert v.any()
+    everything = initial_arrays(dataclasses.replace(cfg, release_personal="zero-head"))
+    assert set(everything.keys()) == {n for n, _ in model.named_parameters()}  # shared ones too, as seeded
+    for n in split.shared:
+        np.testing.assert_array_equal(everything[n].numpy(), get_arrays(model, (n,))[n])
 
 
-def test_the_initial_model_split_allows_no_personal_layer_only_outside_joint_dp(tiny_model):
-    fedavg = parse_config({"num-owners": 8, "method": "fedavg"})
-    _, split = owner_state.new_model(fedavg, tiny_model)
-    assert split.personal == () or list(split.personal) == []
-    model = build_model(fedavg.model, (1, 12, 12), 3, fedavg.norm, fedavg.seed)
-    with pytest.raises(ValueError):
-        split_parameters(model, "^nothing$")
+def test_the_model_split_allows_no_personal_layer_only_outside_joint_dp():
+    fedavg = parse_config({**RC, "method": "fedavg"})
+    split = client_app.jdp._split(fedavg, initial_model(fedavg))
+    assert list(split.personal) == [] and split.shared
+    nothing = parse_config({**RC, "personal-layers": "^nothing$"})
+    with pytest.raises(ConfigError, match="'personal-layers'"):
+        client_app.jdp._split(nothing, initial_model(nothing))
     assert isinstance(protocol.to_record(_arrays()), ArrayRecord)
 
 
-def test_an_evaluation_save_records_the_fit_but_no_trained_round(tiny_model):
-    cfg = parse_config({"num-owners": 8})
-    model, split = owner_state.new_model(cfg, tiny_model)
-    ctx = _ctx()
-    owner_state.save_personal(ctx, 6, model, split, fit_on="d1")
-    owner_state.save_personal(ctx, 6, model, split, fit_on="d2", count_round=False)
-    assert trained_rounds(ctx, 6) == 1 and personal_fit_on(ctx, 6) == "d2"
+def test_an_evaluation_fit_records_the_broadcast_but_no_trained_round():
+    ctx = _ctx({"partition-id": 1, "num-partitions": 4}, RC)
+    cfg = node_job_config(ctx)
+    _set_up(ctx)
+    public, shared = _public_and_shared(cfg)
+    fits = []
+
+    def fit(m):  # a user's fit: moves whatever it may train
+        fits.append(sorted(n for n, p in m.named_parameters() if p.requires_grad))
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.add_(1.0)
+
+    model = client_app.jdp.load(initial_model(cfg), _evaluate_msg(ctx, shared), ctx, fit=fit)
+    split = client_app.jdp._split(cfg, model)
+    assert fits == [sorted(split.personal)]  # the shared parameters were frozen for the fit
+    assert all(p.requires_grad for p in model.parameters())  # and thawed after it
+    _same(dict(get_arrays(model, split.shared)), shared)
+    _same(load_personal_arrays(ctx, 1, "s"), {n: v + np.float32(1) for n, v in public.items()})
+    assert trained_rounds(ctx, 1, "s") == 0 and personal_fit_on(ctx, 1, "s") == shared_digest(shared)
+    client_app.jdp.load(initial_model(cfg), _evaluate_msg(ctx, shared), ctx, fit=fit)
+    assert len(fits) == 1  # fitted once per broadcast
 
 
 def test_owners_data_is_read_as_the_run_config_says(monkeypatch):
-    """The node's data-dir, the seed and every partition setting reach the loaders."""
+    """The node's data-dir, the seed and every partition setting reach the loader."""
     seen = {}
-    monkeypatch.setattr(owner_state, "load_partitions", lambda *a: seen.setdefault("partitions", a))
-    monkeypatch.setattr(owner_state, "load_dataset",
-                        lambda *a: seen.setdefault("dataset", a) and type("D", (), {"num_classes": 7})())
+    monkeypatch.setattr(task, "load_partitions", lambda *a: seen.setdefault("partitions", a))
     cfg = parse_config({"num-owners": 5, "seed": 9, "data-dir": "/data/here", "classes-per-owner": 3,
                         "validation-fraction": 0.2})
-    owner_state.owner_data(cfg)
+    task.owner_data(cfg)
     assert seen["partitions"] == (cfg.dataset, "/data/here", 5, 3, cfg.max_records, cfg.records_per_user, 9,
                                   cfg.partitioner, 0.2, cfg.validation_source)
-    assert owner_state.num_classes(cfg) == 7 and seen["dataset"] == (cfg.dataset, "/data/here", 9)

@@ -77,24 +77,28 @@ def _check_std(noise: np.ndarray, expected: float, laplace: bool = False, what: 
 
 @pytest.mark.parametrize("unit", ["record", "owner"])
 def test_joint_dp_local_noise_std_is_each_owners_recorded_event(run_config, unit, monkeypatch):
-    """Local placement, each owner's data signal removed (record unit: every clipped
-    per-record gradient sum is zero; owner unit: local training leaves the model as
-    it came). Each owner's release minus the broadcast is then its noise alone:
+    """Local placement, through the project's ClientApp (``run_inprocess``: the real
+    :class:`JointDP` against ``client_app``, whose owners release through
+    :meth:`JointDPClient.train` around the app's ``task.train``), each owner's data
+    signal removed (record unit: every clipped per-record gradient sum of the DP step
+    is zero; owner unit: the app's local training leaves the model as it came). Each
+    owner's release minus the broadcast is then its noise alone:
 
-    - record unit: ``steps`` DP-SGD steps, each ``-lr N(0, (z C)^2) / (q n_o)``, std
-      ``lr z C sqrt(steps) / (q n_o)`` with ``(z, q, steps)`` of the owner's recorded
+    - record unit: ``steps`` DP-SGD steps of ``task.train``'s plain SGD, each
+      ``-lr N(0, (z C)^2) / (q n_o)``, std ``lr z C sqrt(steps) / (q n_o)`` with
+      ``(z, q, steps)`` of the owner's recorded
       ``SelfComposed(PoissonSampled(q, Gaussian(z)), steps)``;
     - owner unit: the clipped update plus ``N(0, (z C)^2)``, ``Gaussian(z)`` recorded.
     """
-    from flwr_jdp.joint_dp import owner_round
-    from flwr_jdp.joint_dp.owner_state import owner_data
-    from flwr_jdp.training import dp_sgd
+    from flwr_jdp.joint_dp import client_app
+    from flwr_jdp.joint_dp.task import owner_data
+    from flwr_jdp.training import user_loop
 
-    if unit == "record":
-        monkeypatch.setattr(dp_sgd, "clipped_unit_sum",
-                            lambda shared, batch, c: [torch.zeros_like(p) for p in shared])
-    else:
-        monkeypatch.setattr(owner_round, "train_plain", lambda *args, **kwargs: 0.0)
+    if unit == "record":  # the DP step's clipped sum (the optimizer pre-step hook's)
+        monkeypatch.setattr(user_loop, "batch_sums",
+                            lambda params, batch, c: [torch.zeros_like(p) for p in params])
+    else:  # the app's own train function, as the owner-unit release calls it
+        monkeypatch.setattr(client_app, "train", lambda *args, **kwargs: None)
     run_config.update({"privacy-unit": unit, "noise-placement": "local", "num-rounds": 1,
                        "clipping-norm": 0.7, "learning-rate": 0.3, "batch-size": 128,
                        "accountant": "rdp"})  # the ledger's epsilon in ms (PLD: seconds)

@@ -13,6 +13,7 @@ from flwr_jdp.joint_dp.client_app import app as client_app
 from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.joint_dp.owner_guard import Instruction, agreed_release
 from flwr_jdp.joint_dp.schedule import OwnerSize
+from flwr_jdp.joint_dp.server_app import initial_arrays
 from flwr_jdp.privacy.units import PrivacyUnit
 from flwr_jdp.strategies import JointDP, load_results
 
@@ -38,7 +39,7 @@ def _run(run_config, tamper, server_rounds=None, honest_budget=True, node_config
     cfg = parse_config(dict(run_config, **({"num-rounds": server_rounds} if server_rounds else {})))
     grid = InProcessGrid(client_app, 2, run_config, node_config=node_config)
     strategy = TamperingJointDP(cfg, tamper, honest_budget)
-    strategy.start(grid=grid)
+    strategy.start(grid=grid, initial_arrays=initial_arrays(parse_config(run_config)))
     return strategy, grid
 
 

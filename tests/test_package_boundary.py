@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "flwr_jdp"
 SYSTEMS = ("joint_dp", "mtl", "altmin", "subject", "winsorized")
 FACADES = ("flwr_jdp.strategies", "flwr_jdp.client")
-CLIENT_SIDE = ("protocol.py", "client.py", "client_app.py", "owner_state.py", "owner_store.py", "owner_round.py")
+CLIENT_SIDE = ("protocol.py", "client.py", "client_app.py", "owner_store.py", "release.py", "task.py")
 
 
 def _imports(path: Path):

@@ -6,8 +6,13 @@ tolerance, for every model family the project trains: the seed CNN (GroupNorm),
 the quickstart example's CNN, the character LSTM (Opacus's ``DPLSTM``) and a model
 whose personal layer sits between shared ones; record and user units; and the
 same parameters after a few noiseless DP-SGD steps. A model ``vmap`` cannot handle
-falls back to Opacus with one log line per class; the production path audited by
-``tests/test_audit_production.py`` runs through ``torch.func``.
+falls back to Opacus with one log line per class.
+
+These are :mod:`flwr_jdp.training.dp_sgd`'s own trainers (``clipped_gradient_sum``,
+``train_dp_sgd``); the owners' releases go through the user's loop in
+:func:`~flwr_jdp.training.user_loop.private_training`, whose two paths are compared in
+``tests/test_user_loop_paths.py``. The last test checks that the release audited by
+``tests/test_audit_production.py`` (the project's ClientApp) runs through ``torch.func``.
 """
 
 from __future__ import annotations
@@ -115,8 +120,9 @@ def test_both_paths_give_the_same_clipped_sums(name, unit, monkeypatch):
 @pytest.mark.parametrize("unit,personal_lr", [("record", 0.0), ("record", 0.05), ("user", 0.0), ("user", 0.05)])
 @pytest.mark.parametrize("name", ["seed-cnn", "sandwich"])
 def test_noiseless_dp_sgd_gives_the_same_parameters_on_both_paths(name, unit, personal_lr, monkeypatch):
-    """z = 0: three DP-SGD steps (decoupled and interleaved couplings) end at the
-    same parameters, and the same mean loss, whichever path computed them."""
+    """z = 0: three DP-SGD steps, with the personal parameters frozen
+    (``personal_lr = 0``) or also stepped (``train_dp_sgd``'s personal step), end at
+    the same parameters, and the same mean loss, whichever path computed them."""
     model, split, x, y = _case(name)
     users = _users(unit, len(y))
     out = {}
@@ -267,22 +273,26 @@ def test_a_model_vmap_cannot_run_falls_back_to_opacus_with_one_log_line(monkeypa
 
 
 def test_the_audited_production_path_runs_through_torch_func(monkeypatch):
-    """``train_owner_round`` (local and central release, record unit) on the audit's
-    probe model with Opacus made unusable: it must not need it."""
-    from flwr_jdp.joint_dp.owner_round import OwnerPlan, train_owner_round
-    from tests.test_audit_production import _job, _owner, _probe, _records
+    """The owner's release as the production audits run it (the project's ClientApp:
+    ``client_app.jdp.train`` with the app's ``task.train``, local and central
+    release, record unit) on the audit's probe model with Opacus made unusable: it
+    must not need it."""
+    from flwr_jdp.training import user_loop
+    from tests.test_audit_production import _instruction, _owner, _probe, _records, _run_config, app_round
 
-    def no_opacus(model):  # noqa: ANN001, ANN202
+    def no_opacus(self) -> None:  # noqa: ANN001
         raise AssertionError("Opacus's hooks were used")
 
     monkeypatch.setattr(per_sample, "BACKEND", "auto")
-    monkeypatch.setattr(dp_sgd, "_grad_sample_module", no_opacus)
+    monkeypatch.setattr(user_loop.PrivateModule, "_use_opacus", no_opacus)
     for placement in ("local", "central"):
-        cfg = _job(**{"noise-placement": placement})
         model = _probe()
-        split = split_parameters(model, cfg.personal_layers)
+        split = split_parameters(model, r"^head\.")
         public = {n: p.detach().numpy().copy() for n, p in model.named_parameters() if n in split.personal}
-        out, _ = train_owner_round(model, split, _owner(0, *_records(31, seed=1)), cfg, OwnerPlan(1.0, 1, 2.0),
-                                   torch.Generator().manual_seed(0), public)
-        assert set(out) == set(split.shared) and all(np.isfinite(v).all() for v in out.values())
-    assert type(_probe()) not in dp_sgd._FUNC_FAILED
+        shared = {n: p.detach().numpy().copy() for n, p in model.named_parameters() if n in split.shared}
+        reply, _ = app_round(_run_config(**{"noise-placement": placement, "noise-seed": 0}), model,
+                             _owner(0, *_records(31, seed=1)), _instruction(0, shared, 1.0, 1, 2.0), public)
+        assert reply.has_content(), reply.error.reason
+        out = reply.content["arrays"]
+        assert set(out.keys()) == set(split.shared) and all(np.isfinite(out[n].numpy()).all() for n in out.keys())
+    assert per_sample.model_kind(_probe()) not in per_sample.LINEARIZED_FAILED

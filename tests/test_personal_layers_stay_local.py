@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from flwr_jdp.strategies import load_results
 
-from flwr_jdp.joint_dp.owner_state import personal_key
+from flwr_jdp.joint_dp.owner_store import personal_key
+from flwr_jdp.joint_dp.server_app import initial_arrays
 
 CASES = [(u, p) for u in ("record", "user", "owner") for p in ("local", "central")]
 
@@ -41,8 +42,8 @@ def test_no_personal_parameter_in_any_message(run_config, unit, placement):
 
     grid = InProcessGrid(app, 2, run_config, fault=snapshot)
     grid_ref.append(grid)
-    strategy = JointDP(parse_config(run_config))
-    strategy.start(grid=grid)
+    cfg = parse_config(run_config)
+    JointDP(cfg).start(grid=grid, initial_arrays=initial_arrays(cfg))
 
     assert grid.sent, "the ClientApp sent nothing"
     personal_names = {"fc1.weight", "fc1.bias"}

@@ -6,21 +6,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MetricRecord
-from flwr_jdp.strategies import JointDP, load_results
 
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.client_app import app as client_app
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
-from flwr_jdp.models import build_model
-from flwr_jdp.params import get_arrays
+from flwr_jdp.joint_dp.server_app import initial_arrays
 from flwr_jdp.privacy.ledger import PrivacyLedger
+from flwr_jdp.strategies import JointDP, load_results
 
 
 def _start(run_config, fault=None, **kwargs):
     cfg = parse_config(run_config)
     grid = InProcessGrid(client_app, 2, run_config, fault=fault)
     strategy = JointDP(cfg, node_settle_s=0.0)
+    kwargs.setdefault("initial_arrays", initial_arrays(cfg))
     return strategy, strategy.start(grid=grid, **kwargs)
 
 
@@ -29,9 +29,8 @@ def _nothing_spent(run_config):
 
 
 def _initial_model(run_config):
-    cfg = parse_config(run_config)
-    model = build_model(cfg.model, (1, 8, 8), 10, cfg.norm, cfg.seed)  # digits: 8x8, 10 classes
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    record = initial_arrays(parse_config(run_config))  # the app's seed CNN (digits: 8x8, 10 classes)
+    return {n: record[n].numpy() for n in record.keys()}
 
 
 def test_num_rounds_is_the_calibration_horizon_under_central_noise(run_config):
@@ -59,7 +58,8 @@ def test_evaluate_fn_is_called_on_the_shared_model_before_and_after_every_round(
 
     strategy, result = _start(run_config, evaluate_fn=evaluate_fn)
     assert [r for r, _ in seen] == [0, 1, 2]
-    assert all(keys == sorted(strategy.spec) for _, keys in seen)  # shared parameters only
+    # the shared model with the personal parameters at their public initial values
+    assert all(keys == sorted(strategy.model_spec) for _, keys in seen)
     assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2]
     history = load_results(run_config["results-dir"])["history"]
     assert [sorted(r["server_metrics"]) for r in history] == [["norm"], ["norm"]]
@@ -95,10 +95,10 @@ def test_initial_arrays_shared_part_is_broadcast(run_config):
 
 @pytest.mark.parametrize("change, message", [
     (lambda a: a.update({"fc2.weight": np.zeros((3, 3), np.float32)}),
-     r"initial_arrays\['fc2.weight'\] has shape \(3, 3\)"),
-    (lambda a: a.update({"head.weight": np.zeros(3, np.float32)}), "which the ClientApp's model does not have"),
-    (lambda a: a.pop("fc2.weight"), r"lacks the shared parameters \['fc2.weight'\]"),
-    (lambda a: a.update({"fc1.bias": a["fc1.bias"] + 1}), r"initial_arrays\['fc1.bias'\] is a personal parameter"),
+     r"initial_arrays do not match the ClientApp's model \(node \d+\): \['fc2.weight: 3x3 here"),
+    (lambda a: a.update({"head.weight": np.zeros(3, np.float32)}),
+     r"initial_arrays has \['head.weight'\], which the ClientApp's model \(node \d+\) does not have"),
+    (lambda a: a.pop("fc2.weight"), r"initial_arrays lacks \['fc2.weight'\] of the ClientApp's model"),
 ])
 def test_initial_arrays_that_do_not_match_the_clientapp_model_fail_before_spending(run_config, change, message):
     initial = _initial_model(run_config)
@@ -108,11 +108,23 @@ def test_initial_arrays_that_do_not_match_the_clientapp_model_fail_before_spendi
     assert _nothing_spent(run_config)
 
 
-def test_initial_arrays_of_the_model_itself_are_accepted(run_config):
-    cfg = parse_config(run_config)
-    model = build_model(cfg.model, (1, 8, 8), 10, cfg.norm, cfg.seed)
-    _start(run_config, initial_arrays=protocol.to_record(get_arrays(model, [n for n, _ in model.named_parameters()])))
+def test_the_personal_values_of_initial_arrays_are_the_owners_public_initial_values(run_config):
+    """Personal parameters in ``initial_arrays`` are sent once, at set-up, as the public
+    values every owner starts from and computes its releases with; never broadcast."""
+    initial = _initial_model(run_config)
+    initial["fc1.bias"] = np.full_like(initial["fc1.bias"], 0.5)  # a personal parameter
+    seen = {}
+
+    def spy(instruction, reply):
+        kind = instruction.metadata.message_type
+        seen.setdefault(kind, []).append(instruction)
+        return reply
+
+    _start(run_config, fault=spy, initial_arrays=protocol.to_record(initial))
     assert load_results(run_config["results-dir"])["status"] == "completed"
+    setup = seen["query"][0].content[protocol.PUBLIC_PERSONAL]
+    assert sorted(setup.keys()) == ["fc1.bias", "fc1.weight"] and np.all(setup["fc1.bias"].numpy() == 0.5)
+    assert all("fc1.bias" not in m.content[protocol.SHARED] for m in seen["train"] + seen["evaluate"])
 
 
 def test_a_run_without_valid_replies_ends_failed_with_its_epsilon_saved(run_config):
@@ -134,3 +146,9 @@ def test_a_run_without_valid_replies_ends_failed_with_its_epsilon_saved(run_conf
 def test_max_skipped_rounds_is_validated(run_config):
     with pytest.raises(ConfigError, match="max-skipped-rounds"):
         parse_config(dict(run_config, **{"max-skipped-rounds": 0}))
+
+
+def test_a_start_without_the_model_is_refused_before_spending(run_config):
+    with pytest.raises(ConfigError, match=r"start\(\) needs the model: pass start\(initial_arrays="):
+        _start(run_config, initial_arrays=None)
+    assert _nothing_spent(run_config)

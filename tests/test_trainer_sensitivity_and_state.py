@@ -1,8 +1,9 @@
 """Privacy-critical numbers checked end to end, each through the code that produces it:
 
-- the sensitivity of one DP-SGD release, through the owner's trainer
-  (:func:`train_owner_round`, what the ClientApp calls), not through the clipping
-  helper alone;
+- the sensitivity of one release, through the owner's side of the project's own
+  ClientApp (:meth:`JointDPClient.train` with the app's ``task.train``, as
+  ``client_app.train_owner`` calls it; local DP-SGD step and central clipped sum),
+  not through the clipping helper alone;
 - the standard deviation of the central noise the server adds, against the noise
   multiplier the ledger recorded for the same release;
 - the personal state an owner starts each round with, through the real ClientApp
@@ -17,16 +18,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import Array
-from flwr_jdp.strategies import load_results
+from flwr.app import Array, ConfigRecord, Context, Message
+from flwr.clientapp import ClientApp
 
+import flwr_jdp.joint_dp.client as client
 import flwr_jdp.joint_dp.client_app as client_app
-from flwr_jdp.joint_dp import protocol
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol, task
+from flwr_jdp.joint_dp.client import JointDPClient, owner_id
 from flwr_jdp.joint_dp.config import parse_config
-from flwr_jdp.joint_dp.owner_round import OwnerPlan, release_model, train_owner_round
-from flwr_jdp.joint_dp.owner_state import new_model, owner_data, public_personal
-from flwr_jdp.params import get_arrays
+from flwr_jdp.joint_dp.release import public_personal_swapped
+from flwr_jdp.joint_dp.schedule import units_of
+from flwr_jdp.joint_dp.server_app import initial_arrays
+from flwr_jdp.joint_dp.task import node_job_config, owner_data
+from flwr_jdp.params import get_arrays, split_parameters
 from flwr_jdp.privacy.ledger import SERVER_SCOPE
+from flwr_jdp.strategies import JointDP, load_results
 
 from .helpers import Killed, kill_after_trains, run_inprocess
 
@@ -35,13 +42,21 @@ from .helpers import Killed, kill_after_trains, run_inprocess
 C = 0.1  # far below the digits' per-record shared-gradient norms (~13-17)
 LR = 1.0
 N_RECORDS = 24  # 12 users of 2 records under the user unit
+#: The owner's guard refuses z = 0 under local noise: the run agrees on a noise
+#: multiplier so small (and a budget so large) that its noise, ~1e-10 C per
+#: coordinate, is far below the 1e-3 C tolerance of the checks.
+TINY_Z = 1e-9
 
 
-def _owner(unit: str, coupling: str):
-    """Config and a small slice of owner 0's data (users 0..11, two records each)."""
-    cfg = parse_config({"num-owners": 4, "privacy-unit": unit, "noise-placement": "local",
-                        "personal-coupling": coupling, "clipping-norm": C, "learning-rate": LR,
-                        "records-per-user": 2})
+def _run_config(unit: str, placement: str) -> dict:
+    return {"num-owners": 1, "classes-per-owner": 10, "privacy-unit": unit, "noise-placement": placement, "clipping-norm": C,
+            "learning-rate": LR, "records-per-user": 2, "batch-size": 64, "local-epochs": 1, "num-rounds": 1,
+            "noise-multiplier": TINY_Z, "target-epsilon": 1e30, "accountant": "rdp", "noise-seed": 5}
+
+
+def _owner(run_config: dict):
+    """Config and a small slice of the owner's data (users 0..11, two records each)."""
+    cfg = parse_config(run_config)
     full = owner_data(cfg)[0]
     data = dataclasses.replace(full, x_train=full.x_train[:N_RECORDS], y_train=full.y_train[:N_RECORDS],
                                user_ids=np.arange(N_RECORDS) // 2)
@@ -53,79 +68,119 @@ def _without(data, keep: np.ndarray):
                                user_ids=data.user_ids[keep])
 
 
-def _one_step_release(cfg, data) -> tuple[np.ndarray, np.ndarray]:
-    """(shared parameters before, released shared parameters) of one noiseless
-    full-batch DP-SGD step (z = 0, q = 1, 1 step) through the owner's trainer."""
-    model, split = new_model(cfg, data)
-    before = get_arrays(model, split.shared)
-    public = public_personal(cfg, data) if cfg.decoupled else None
-    release, _ = train_owner_round(model, split, data, cfg, OwnerPlan(1.0, 1, 0.0),
-                                   torch.Generator().manual_seed(0), public)
-    return _flat(before, split.shared), _flat(release, split.shared)
+def _app(data) -> ClientApp:
+    """The project's ClientApp's train handler on ``data`` (one owner, this node):
+    :class:`JointDPClient` around the app's seed CNN (``task.initial_model``), its
+    ``task.loader`` and its train function (``client_app._train_fn`` -> ``task.train``)."""
+    app = ClientApp()
+
+    def own(context: Context):
+        return task.loader(node_job_config(context), data, torch.Generator().manual_seed(0))
+
+    jdp = JointDPClient(app, model_fn=lambda context: task.initial_model(node_job_config(context)),
+                        train_data=own, user_ids=lambda context: data.user_ids, config_fn=node_job_config)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        cfg = node_job_config(context)
+        loader = own(context)
+        fn = client_app._train_fn(cfg, loader, torch.Generator().manual_seed(1))
+        return jdp.train(msg, context, task.initial_model(cfg), loader, fn)
+
+    return app
 
 
-def _flat(arrays: dict[str, np.ndarray], names: tuple[str, ...]) -> np.ndarray:
+def _one_round_sum(run_config: dict, data) -> tuple[np.ndarray, np.ndarray]:
+    """(broadcast shared parameters, the owner's sum of clipped per-unit gradients)
+    of one release at rate 1, one step, as the real :class:`JointDP` asks for it
+    (set-up, schedule, ``configure_train``) and the owner computes it: under central
+    noise the reply *is* that sum; under local noise the reply is the shared
+    parameters after the DP-SGD step, ``theta - lr (sum + noise) / (q units)``, and
+    the sum is read back from it."""
+    cfg = parse_config(run_config)
+    grid = InProcessGrid(_app(data), 1, run_config)
+    strategy = JointDP(cfg, node_settle_s=0.0)
+    initial = strategy.setup(grid, timeout=30.0, initial_arrays=initial_arrays(cfg))
+    central = cfg.placement.value == "central"
+    rate = strategy.schedule.server_rate if central else strategy.schedule.owner_rates[0]
+    steps = 1 if central else strategy.schedule.owner_steps[0]
+    assert (rate, steps) == (1.0, 1)
+    (reply,) = grid.send_and_receive(strategy.configure_train(1, initial, ConfigRecord(), grid))
+    assert reply.has_content(), reply.error.reason
+    names = list(strategy.spec)
+    theta0 = _flat({n: initial[n].numpy() for n in names}, names)
+    released = _flat({n: reply.content[protocol.ARRAYS][n].numpy() for n in names}, names)
+    if central:
+        return theta0, released
+    units = units_of(cfg, strategy.sizes[0])  # the owner's reported size: its public denominator
+    return theta0, (theta0 - released) * (rate * units) / LR
+
+
+def _flat(arrays: dict[str, np.ndarray], names) -> np.ndarray:
     return np.concatenate([arrays[n].ravel() for n in names]).astype(np.float64)
 
 
 def _per_record_gradient_norms(cfg, data) -> np.ndarray:
-    """Unclipped L2 norms of each record's gradient of the shared parameters (on the
-    model the release is computed on)."""
-    model, split = new_model(cfg, data)
-    model = release_model(model, split, public_personal(cfg, data))
-    params = dict(model.named_parameters())
-    shared = [params[n] for n in split.shared]
+    """Unclipped L2 norms of each record's gradient of the shared parameters, on the
+    model the release is computed on (personal parameters at the public values the
+    server's ``initial_arrays`` sent)."""
+    model = task.initial_model(cfg)
+    split = split_parameters(model, cfg.effective_personal_rule)
+    initial = initial_arrays(cfg)
     norms = []
-    for i in range(len(data.y_train)):
-        x = torch.from_numpy(data.x_train[i : i + 1])
-        y = torch.from_numpy(data.y_train[i : i + 1]).long()
-        grads = torch.autograd.grad(F.cross_entropy(model(x), y, reduction="sum"), shared)
-        norms.append(float(torch.sqrt(sum((g * g).sum() for g in grads))))
+    with public_personal_swapped(model, split, {n: initial[n].numpy() for n in split.personal}) as m:
+        params = dict(m.named_parameters())
+        shared = [params[n] for n in split.shared]
+        for i in range(len(data.y_train)):
+            x = torch.from_numpy(data.x_train[i : i + 1])
+            y = torch.from_numpy(data.y_train[i : i + 1]).long()
+            grads = torch.autograd.grad(F.cross_entropy(m(x), y, reduction="sum"), shared)
+            norms.append(float(torch.sqrt(sum((g * g).sum() for g in grads))))
     return np.array(norms)
 
 
-@pytest.mark.parametrize("coupling", ["decoupled", "interleaved"])
-def test_one_dp_sgd_step_moves_the_release_by_at_most_lr_c_over_the_batch_per_record(coupling):
-    """Record unit, z = 0, q = 1, one step: the release is ``theta - lr * S / n`` with
-    ``S`` the sum of per-record gradients clipped to C. Removing one record changes
-    ``S`` by at most C, i.e. the released step scaled back by its own expected batch
-    (``n`` with the record, ``n - 1`` without) moves by at most ``lr * C``. Every
-    record's unclipped gradient is > 10 C, so the removal moves the sum by exactly
-    its clipped gradient (norm C): a trainer that clipped at 10 C while the noise is
-    calibrated to C would move it by 10 C."""
-    cfg, data = _owner("record", coupling)
+@pytest.mark.parametrize("placement", ["local", "central"])
+def test_one_release_moves_the_clipped_sum_by_at_most_c_per_record(placement):
+    """Record unit, q = 1, one step: the release is ``S`` (central) or
+    ``theta - lr (S + noise) / n`` (local), ``S`` the sum of per-record gradients
+    clipped to C inside the app's ``task.train``. Removing one record changes ``S``
+    by at most C, i.e. the released step scaled back by its own expected batch (``n``
+    with the record, ``n - 1`` without) moves by at most ``lr * C``. Every record's
+    unclipped gradient is > 20 C, so the removal moves the sum by exactly its clipped
+    gradient (norm C): a trainer that clipped at 10 C while the noise is calibrated to
+    C would move it by 10 C."""
+    run_config = _run_config("record", placement)
+    cfg, data = _owner(run_config)
     assert _per_record_gradient_norms(cfg, data).min() > 20 * C  # clipping is active, also at 10 C
     n = len(data.y_train)
-    theta0, with_all = _one_step_release(cfg, data)
+    theta0, sum_with = _one_round_sum(run_config, data)
     for removed in (0, 5, n - 1):
-        theta0_, without = _one_step_release(cfg, _without(data, np.arange(n) != removed))
+        theta0_, sum_without = _one_round_sum(run_config, _without(data, np.arange(n) != removed))
         np.testing.assert_array_equal(theta0, theta0_)
-        sum_with = (theta0 - with_all) * (1.0 * n) / LR  # q * n = expected batch
-        sum_without = (theta0 - without) * (1.0 * (n - 1)) / LR
         moved = float(np.linalg.norm(sum_with - sum_without))
         assert moved <= C * (1 + 1e-3), (
             f"removing record {removed} moved lr*sum by {LR * moved:.4g} > lr*C = {LR * C:.4g}")
         assert moved >= 0.99 * C  # the bound is attained: the record's gradient was clipped to C
 
 
-@pytest.mark.parametrize("coupling", ["decoupled", "interleaved"])
-def test_one_dp_sgd_step_moves_the_release_by_at_most_lr_c_over_the_batch_per_user(coupling):
-    """User unit, z = 0, q = 1, one step: removing one user (not the highest id, so
-    the expected batch ``q * users`` is the same on both sides) moves the released
-    shared parameters by at most ``lr * C / (q * users)``."""
-    cfg, data = _owner("user", coupling)
+@pytest.mark.parametrize("placement", ["local", "central"])
+def test_one_release_moves_the_clipped_sum_by_at_most_c_per_user(placement):
+    """User unit, q = 1, one step: removing one user (both its records) moves the
+    sum of per-user clipped gradients ``S`` (read back from the release scaled by its
+    own expected batch ``q * users``: 12 users with it, 11 without) by at most C."""
+    run_config = _run_config("user", placement)
+    cfg, data = _owner(run_config)
     assert _per_record_gradient_norms(cfg, data).min() > 20 * C
-    users = data.num_users
-    bound = LR * C / (1.0 * users)
-    _, with_all = _one_step_release(cfg, data)
-    for removed in (0, 3, users - 2):
+    users = len(np.unique(data.user_ids))
+    _, sum_with = _one_round_sum(run_config, data)
+    for removed in (0, 3, users - 1):
         without_data = _without(data, data.user_ids != removed)
-        assert without_data.num_users == users  # same public denominator
-        _, without = _one_step_release(cfg, without_data)
-        moved = float(np.linalg.norm(with_all - without))
-        assert moved <= bound * (1 + 1e-3), (
-            f"removing user {removed} moved the release by {moved:.4g} > lr*C/(q*users) = {bound:.4g}")
-        assert moved > 0.1 * bound  # the user did contribute
+        assert len(np.unique(without_data.user_ids)) == users - 1
+        _, sum_without = _one_round_sum(run_config, without_data)
+        moved = float(np.linalg.norm(sum_with - sum_without))
+        assert moved <= C * (1 + 1e-3), (
+            f"removing user {removed} moved the clipped sum by {moved:.4g} > C = {C:.4g}")
+        assert moved > 0.1 * C  # the user did contribute
 
 
 # ------------------------------------------------------------- 2. central noise std
@@ -203,28 +258,30 @@ def test_central_noise_std_is_the_ledgers_z_times_c_over_the_expected_count(run_
 
 
 class _PersonalTrace:
-    """Wraps the ClientApp's ``load_owner_model`` and ``save_personal`` and records,
-    per (node, owner), the personal arrays each load hands out and each save keeps."""
+    """Wraps the client half's model loading (:meth:`JointDPClient._load`, which every
+    train and evaluate handler of the ClientApp goes through) and its
+    ``save_personal_arrays``, and records, per (node, owner), the personal arrays the
+    owner's model starts with after each load and those each save keeps."""
 
     def __init__(self, monkeypatch):
         self.events: dict[tuple[int, int], list[tuple[str, dict[str, np.ndarray]]]] = {}
-        load, save = client_app.load_owner_model, client_app.save_personal
+        load, save = JointDPClient._load, client.save_personal_arrays
 
-        def traced_load(cfg, context, data, shared, session=""):
-            model, split = load(cfg, context, data, shared, session)
-            self._add(context, data.owner_id, "load", get_arrays(model, split.personal))
-            return model, split
+        def traced_load(jdp, cfg, model, msg, context, session):
+            split, shared = load(jdp, cfg, model, msg, context, session)
+            self._add(context, owner_id(context), "load", get_arrays(model, split.personal))
+            return split, shared
 
-        def traced_save(context, owner_id, model, split, session="", **kwargs):
-            save(context, owner_id, model, split, session, **kwargs)
-            self._add(context, owner_id, "save", get_arrays(model, split.personal))
+        def traced_save(context, owner, arrays, session="", **kwargs):
+            save(context, owner, arrays, session, **kwargs)
+            self._add(context, owner, "save", arrays)
 
-        monkeypatch.setattr(client_app, "load_owner_model", traced_load)
-        monkeypatch.setattr(client_app, "save_personal", traced_save)
+        monkeypatch.setattr(JointDPClient, "_load", traced_load)
+        monkeypatch.setattr(client, "save_personal_arrays", traced_save)
 
-    def _add(self, context, owner_id, what, arrays):
-        key = (int(context.node_id), int(owner_id))
-        self.events.setdefault(key, []).append((what, {k: v.copy() for k, v in arrays.items()}))
+    def _add(self, context, owner, what, arrays):
+        key = (int(context.node_id), int(owner))
+        self.events.setdefault(key, []).append((what, {k: np.array(v, copy=True) for k, v in arrays.items()}))
 
     def restart(self) -> dict:
         """The events so far; start recording afresh (a restarted run's new contexts)."""
@@ -264,8 +321,8 @@ def test_owner_starts_every_round_with_the_personal_state_it_saved_also_after_a_
     run_config.update({"num-rounds": 2})
     cfg = parse_config(run_config)
     nodes = {"state-dir": str(tmp_path / "node-state")}
-    data = owner_data(cfg)
-    initial = {o: dict(get_arrays(*_model_and_personal(cfg, data[o]))) for o in range(cfg.num_owners)}
+    public = _public_personal(cfg)  # what the set-up sends every owner
+    initial = {o: public for o in range(cfg.num_owners)}
     trace = _PersonalTrace(monkeypatch)
 
     # Round 1 and its evaluation complete; killed at round 2 after node 0 trained.
@@ -294,6 +351,8 @@ def test_owner_starts_every_round_with_the_personal_state_it_saved_also_after_a_
     _assert_loads_continue_saves(after_restart, on_disk, "restarted run")
 
 
-def _model_and_personal(cfg, data):
-    model, split = new_model(cfg, data)
-    return model, split.personal
+def _public_personal(cfg) -> dict[str, np.ndarray]:
+    """The public initial personal values of the server's ``initial_arrays``."""
+    rec = initial_arrays(cfg)
+    split = split_parameters(task.initial_model(cfg), cfg.effective_personal_rule)
+    return {n: rec[n].numpy() for n in split.personal}

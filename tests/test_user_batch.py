@@ -56,6 +56,7 @@ def test_owners_sample_and_ledger_records_the_user_batch(run_config, monkeypatch
     the ledger's events carry exactly that rate."""
     from flwr_jdp.inprocess import InProcessGrid
     from flwr_jdp.joint_dp.client_app import app
+    from flwr_jdp.joint_dp.server_app import initial_arrays
     from flwr_jdp.strategies import JointDP
     from flwr_jdp.training import dp_sgd
 
@@ -70,7 +71,8 @@ def test_owners_sample_and_ledger_records_the_user_batch(run_config, monkeypatch
     run_config.update({"privacy-unit": "user", "records-per-user": 3, "user-batch-size": 5.0,
                        "noise-placement": "local"})
     grid = InProcessGrid(app, 2, run_config)
-    JointDP(parse_config(run_config)).start(grid=grid)
+    cfg = parse_config(run_config)
+    JointDP(cfg).start(grid=grid, initial_arrays=initial_arrays(cfg))
 
     assert rates, "no DP-SGD step ran"
     for num_units, q in rates:

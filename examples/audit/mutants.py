@@ -73,16 +73,16 @@ def code(snippet: str) -> str:
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("control", "unchanged code", (), ALL_TESTS, ALL_AUDITS, expected="pass"),
-    # (a) local DP-SGD (train_owner_round -> train_dp_sgd)
-    Mutant("local-noise/10", "train_dp_sgd adds noise z/10 (the ledger still records z)",
-           (("flwr_jdp/training/dp_sgd.py",
-             code("mech = GaussianSumMechanism(noise_multiplier, clipping_norm, sample_rate * num_units"),
-             "mech = GaussianSumMechanism(noise_multiplier / 10, clipping_norm, sample_rate * num_units"),),
+    # (a) local DP-SGD (JointDPClient.train -> private_training in the app's own train)
+    Mutant("local-noise/10", "private_training adds noise z/10 (the ledger still records z)",
+           (("flwr_jdp/training/user_loop.py",
+             code("GaussianSumMechanism(noise_multiplier, clipping_norm, expected,"),
+             "GaussianSumMechanism(noise_multiplier / 10, clipping_norm, expected,"),),
            LOCAL, ("local_dp_sgd",)),
-    Mutant("local-clip*10", "train_dp_sgd clips at 10 C, noise still z C",
-           (("flwr_jdp/training/dp_sgd.py",
-             code("sums = clipped_unit_sum(shared, batch, clipping_norm)"),
-             "sums = clipped_unit_sum(shared, batch, clipping_norm * 10)"),),
+    Mutant("local-clip*10", "private_training clips at 10 C, noise still z C",
+           (("flwr_jdp/training/user_loop.py",
+             code("sums = batch_sums(self.params, batch, self.clipping_norm)"),
+             "sums = batch_sums(self.params, batch, self.clipping_norm * 10)"),),
            LOCAL, ("local_dp_sgd",)),
     # (b) central: owners' clipped sums + JointDP._aggregate's noise
     Mutant("central-noise/10", "JointDP._aggregate (KIND_GRAD_SUM) adds noise z/10",
@@ -92,10 +92,10 @@ MUTANTS: tuple[Mutant, ...] = (
              "GaussianSumMechanism(self.noise_multiplier / 10, cfg.clipping_norm, "
              "self.schedule.server_rate * self.schedule.num_units"),),
            CENTRAL, ("central_grad_sum",)),
-    Mutant("central-clip*10", "owners' clipped_gradient_sum clips at 10 C, server noise z C",
-           (("flwr_jdp/training/dp_sgd.py",
-             code("sums = batch_sums(shared, batch, clipping_norm)"),
-             "sums = batch_sums(shared, batch, clipping_norm * 10)"),),
+    Mutant("central-clip*10", "owners' private_training (capture) clips at 10 C, server noise z C",
+           (("flwr_jdp/training/user_loop.py",
+             code("sums = batch_sums(self.params, batch, self.clipping_norm)"),
+             "sums = batch_sums(self.params, batch, self.clipping_norm * 10)"),),
            CENTRAL, ("central_grad_sum",)),
     # shared by every trainer: the mechanism itself
     Mutant("mechanism-noise/10", "NoisySumMechanism.sum_noise_scale (GaussianSumMechanism.sum_noise_std) is z S / 10",

@@ -3,8 +3,8 @@
 In a joint-DP run every owner's personal parameters stay on its node, in the
 ClientApp's ``context.state`` (and, on a SuperNode started with ``state-dir``, in one
 ``.npz`` file per owner). This script measures that state with the project's own
-code path (:func:`flwr_jdp.joint_dp.owner_state.load_owner_model` and
-:func:`~flwr_jdp.joint_dp.owner_state.save_personal`, exactly what the ClientApp calls),
+code path (:func:`flwr_jdp.joint_dp.owner_store.load_personal_arrays` and
+:func:`~flwr_jdp.joint_dp.owner_store.save_personal_arrays`, exactly what the client half calls),
 for the Table 1 configuration (Fashion-MNIST, N = 10,000, FC1 personal) at each n:
 
 - ``state_bytes_per_owner``: bytes of the arrays that ``context.state`` holds per owner;
@@ -30,8 +30,10 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Context, RecordDict
 
-from flwr_jdp.joint_dp import owner_state
+from flwr_jdp.joint_dp import owner_store
 from flwr_jdp.joint_dp.config import parse_config
+from flwr_jdp.joint_dp.task import initial_model, owner_data
+from flwr_jdp.params import get_arrays, split_parameters
 
 # research/ (the reproductions' code) is not installed: import it from the repository root
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,17 +52,20 @@ def measure(owners: int, data_dir: str, personal: str) -> dict:
     cell = Cell("fashion-mnist", owners, "joint-dp", "local", 1.0, 1, personal)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = parse_config(run_config(cell, 0, data_dir, tmp))
-        data = owner_state.owner_data(cfg)
-        model, split = owner_state.new_model(cfg, data[0])
+        data = owner_data(cfg)
+        model = initial_model(cfg)
+        split = split_parameters(model, cfg.effective_personal_rule)
         counts = {name: p.numel() for name, p in model.named_parameters()}
         ctx = Context(run_id=1, node_id=1, node_config={"state-dir": tmp}, state=RecordDict(),
                       run_config={})
         before = rss_bytes()
         for d in data:
-            m, s = owner_state.load_owner_model(cfg, ctx, d, None, session="memory")
-            owner_state.save_personal(ctx, d.owner_id, m, s, session="memory", fit_on="x")
+            m = initial_model(cfg)
+            owner_store.load_personal_arrays(ctx, d.owner_id, "memory")
+            owner_store.save_personal_arrays(ctx, d.owner_id, dict(get_arrays(m, split.personal)), "memory",
+                                             fit_on="x")
         growth = rss_bytes() - before
-        state = [sum(a.nbytes for a in ctx.state[owner_state.personal_key(d.owner_id)]
+        state = [sum(a.nbytes for a in ctx.state[owner_store.personal_key(d.owner_id)]
                      .to_numpy_ndarrays()) for d in data]
         files = sorted((Path(tmp) / "memory").glob("personal-*.npz"))
         npz = [f.stat().st_size for f in files]

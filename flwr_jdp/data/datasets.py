@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 DATASETS = ("digits", "fashion-mnist", "mnist")
+#: Image shape (C, H, W) and number of classes of each data set, known without loading it.
+SHAPES = {"digits": ((1, 8, 8), 10), "fashion-mnist": ((1, 28, 28), 10), "mnist": ((1, 28, 28), 10)}
 HF_NAMES = {"fashion-mnist": "zalando-datasets/fashion_mnist", "mnist": "ylecun/mnist"}
 IDX_FILES = {
     "x_train": "train-images-idx3-ubyte.gz",
@@ -47,6 +49,13 @@ class ArrayDataset:
     @property
     def image_shape(self) -> tuple[int, int, int]:
         return tuple(self.x_train.shape[1:])  # type: ignore[return-value]
+
+
+def dataset_shape(name: str) -> tuple[tuple[int, int, int], int]:
+    """``(image shape, number of classes)`` of data set ``name``."""
+    if name not in SHAPES:
+        raise ValueError(f"dataset must be one of {DATASETS}, got {name!r}")
+    return SHAPES[name]
 
 
 def read_idx(path: str | Path) -> np.ndarray:

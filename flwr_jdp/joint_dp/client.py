@@ -47,6 +47,7 @@ under the run config's ``jdp.*`` keys (:func:`flwr_jdp.joint_dp.config.namespace
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from logging import WARNING
@@ -63,7 +64,6 @@ from torch.utils.data import DataLoader
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config
 from flwr_jdp.joint_dp.owner_guard import InstructionRefused
-from flwr_jdp.joint_dp.owner_round import public_personal_swapped
 from flwr_jdp.joint_dp.owner_store import (
     charge_owners,
     load_personal_arrays,
@@ -74,6 +74,7 @@ from flwr_jdp.joint_dp.owner_store import (
     shared_arrays,
     shared_digest,
 )
+from flwr_jdp.joint_dp.release import public_personal_swapped
 from flwr_jdp.joint_dp.schedule import OwnerSize
 from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
@@ -121,27 +122,35 @@ class JointDPClient:
     loss_reduction : str
         ``"mean"`` (the default of torch losses) or ``"sum"``: how the user's loss
         reduces over a batch (per-sample gradients are rescaled accordingly).
+    config_fn : callable, optional
+        ``(context) -> JobConfig``; default: the run config's ``jdp.*`` keys
+        (:func:`~flwr_jdp.joint_dp.config.namespaced_config`). flwr-jdp's own app,
+        whose whole run config is flwr-jdp's, reads its flat keys.
     """
 
-    def __init__(self, app: ClientApp, *, model_fn: Callable[[], nn.Module],
+    def __init__(self, app: ClientApp, *, model_fn: Callable[..., nn.Module],
                  train_data: Callable[[Context], DataLoader],
                  user_ids: Callable[[Context], Sequence[int]] | None = None,
-                 loss_reduction: str = "mean") -> None:
+                 loss_reduction: str = "mean",
+                 config_fn: Callable[[Context], JobConfig] | None = None) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model_fn = model_fn
         self.train_data = train_data
         self.user_ids = user_ids
         self.loss_reduction = loss_reduction
+        self.config_fn = config_fn or (lambda context: namespaced_config(context.run_config))
+        self._key_prefix = "" if config_fn else f"{NAMESPACE}."  # how the user spells the keys
         app.query()(self._setup)
 
     # ------------------------------------------------------------------ set-up
     def config(self, context: Context) -> JobConfig:
-        """The ``jdp.*`` run config (validated)."""
-        cfg = namespaced_config(context.run_config)
-        if cfg.unit is not PrivacyUnit.OWNER and not cfg.decoupled:
-            raise ConfigError("run-config key 'jdp.personal-coupling' must be 'decoupled' in an app "
-                              "that uses JointDPClient (the interleaved coupling is a reproduction mode)")
+        """The run config (validated; ``jdp.*`` keys unless ``config_fn`` says otherwise)."""
+        cfg = self.config_fn(context)
+        if cfg.personal_coupling != "decoupled":
+            raise ConfigError(f"run-config key '{self._key_prefix}personal-coupling' must be 'decoupled': the interleaved "
+                              "coupling (the joint-DP paper's Algorithm 1) trains the release through "
+                              "personal parameters fitted without noise, which voids the guarantee")
         return cfg
 
     def _units(self, cfg: JobConfig, context: Context, num_records: int) -> tuple[torch.Tensor, int]:
@@ -168,7 +177,7 @@ class JointDPClient:
         try:
             cfg = self.config(context)
             size = self._size(cfg, context, self.train_data(context))
-            names, shapes = _spec_of(self.model_fn())
+            names, shapes = _spec_of(self._model(context))
         except (ConfigError, UserLoopError, ValueError) as err:
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
         public = msg.content.get(protocol.PUBLIC_PERSONAL)
@@ -184,13 +193,22 @@ class JointDPClient:
         return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
 
     # ------------------------------------------------------------------- model
+    def _model(self, context: Context) -> nn.Module:
+        try:
+            takes_context = len(inspect.signature(self.model_fn).parameters) > 0
+        except (TypeError, ValueError):  # a builtin or C callable: called without arguments
+            takes_context = False
+        return self.model_fn(context) if takes_context else self.model_fn()
+
     def _split(self, cfg: JobConfig, model: nn.Module) -> ParamSplit:
         try:
-            return split_parameters(model, cfg.effective_personal_rule)
+            return split_parameters(model, cfg.effective_personal_rule, allow_empty=cfg.method != "joint-dp")
         except ValueError as err:
-            raise ConfigError(f"run-config key 'jdp.personal-layers': {err}") from None
+            raise ConfigError(f"run-config key '{self._key_prefix}personal-layers': {err}") from None
 
     def _public(self, context: Context, split: ParamSplit) -> dict[str, np.ndarray]:
+        if not split.personal:
+            return {}
         rec = context.state.get(PUBLIC_KEY)
         if not isinstance(rec, ArrayRecord):
             raise UserLoopError("the public initial personal values from the set-up are missing "
@@ -210,7 +228,7 @@ class JointDPClient:
             raise UserLoopError(f"the broadcast does not match this model's shared parameters "
                                 f"(unknown: {extra[:5]}, missing: {missing[:5]})")
         buffers = [n for n, _ in model.named_buffers()]
-        if buffers and cfg.unit is not PrivacyUnit.OWNER:
+        if buffers and cfg.dp and cfg.unit is not PrivacyUnit.OWNER:
             raise UserLoopError(f"the model has buffers {buffers[:3]} (BatchNorm statistics?), which "
                                 "depend on the data without noise; use GroupNorm or LayerNorm")
         personal = load_personal_arrays(context, owner_id(context), session)
@@ -232,7 +250,8 @@ class JointDPClient:
         split, shared = self._load(cfg, model, msg, context, session)
         o = owner_id(context)
         digest = shared_digest(shared)
-        if fit is not None and cfg.unit is not PrivacyUnit.OWNER and personal_fit_on(context, o, session) != digest:
+        if (fit is not None and cfg.decoupled and split.personal
+                and personal_fit_on(context, o, session) != digest):
             self._fit_personal(model, split, fit)
             save_personal_arrays(context, o, dict(get_arrays(model, split.personal)), session,
                                  fit_on=digest, count_round=False)
@@ -282,11 +301,14 @@ class JointDPClient:
         split, shared = self._load(cfg, model, msg, context, session)
         generator = owner_generator(cfg, instruction.server_round, o)
         digest = shared_digest(shared)
-        if cfg.unit is PrivacyUnit.OWNER:
+        if not cfg.dp:  # the FedAvg and per-silo baselines: no noise, every parameter trained
+            train_fn(model, loader)
+            release = dict(get_arrays(model, split.shared))
+        elif cfg.unit is PrivacyUnit.OWNER:
             release = self._owner_release(cfg, model, split, loader, train_fn, instruction.noise_multiplier,
                                           generator)
         else:
-            if personal_fit_on(context, o, session) != digest:
+            if split.personal and personal_fit_on(context, o, session) != digest:
                 self._fit_personal(model, split, lambda m: train_fn(m, loader))
             unit_of_record, num_units = self._units(cfg, context, size.num_records)
             central = cfg.placement is NoisePlacement.CENTRAL
@@ -364,26 +386,34 @@ def _merged_setup(msg: Message, replies: list[tuple[int, Message]]) -> Message:
     return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
 
 
-def owners_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
-    """Flower mod: one SuperNode hosts several owners (``ClientApp(mods=[owners_mod])``).
+def hosting_mod(num_owners_key: str = f"{NAMESPACE}.num-owners", *,
+                standalone_hosts_all: bool = False) -> Callable[[Message, Context, Callable], Message]:
+    """A :func:`owners_mod` that reads the number of owners from run-config key
+    ``num_owners_key``. With ``standalone_hosts_all`` a node without a
+    ``partition-id`` hosts every owner (one SuperNode for the whole run), else its
+    messages pass through."""
 
-    With ``jdp.num-owners`` = N in the run config, the node with ``partition-id`` p of
-    ``num-partitions`` P hosts the owners o < N with ``o % P == p``: each of the app's
-    handlers (set-up, train, evaluate) is called once per owner the message is for,
-    with a context whose ``partition-id`` is the owner and ``num-partitions`` is N, so
-    an app written for one owner per node (its ``load_data(partition-id,
-    num-partitions)``) runs unchanged; the replies are merged, each owner's
-    ``arrays`` and ``metrics`` under its own key (``owner.<o>``, ``metrics.<o>``).
-    An owner whose handler fails is left out of the reply with a logged reason (the
-    server drops it for the round); if every owner fails, the error is the reply.
-    Without ``jdp.num-owners``, or with one owner per node, messages pass through.
-    Simulating many owners on a few SuperNodes saves Flower's per-node cost.
-    """
-    num_owners = int(context.run_config.get(f"{NAMESPACE}.num-owners", 0) or 0)
-    pid, parts = context.node_config.get("partition-id"), context.node_config.get("num-partitions")
-    if not num_owners or pid is None or parts is None or int(parts) == num_owners:
-        return call_next(msg, context)
-    hosted = hosted_owners(num_owners, int(pid), int(parts))
+    def mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+        num_owners = int(context.run_config.get(num_owners_key, 0) or 0)
+        pid, parts = context.node_config.get("partition-id"), context.node_config.get("num-partitions")
+        standalone = pid is None and standalone_hosts_all
+        if standalone:
+            pid, parts = 0, 1
+        if not num_owners or pid is None or parts is None or (int(parts) == num_owners and not standalone):
+            return call_next(msg, context)
+        return _hosted(msg, context, call_next, num_owners, int(pid), int(parts), num_owners_key)
+
+    mod.__name__ = mod.__qualname__ = "owners_mod"
+    return mod
+
+
+def _hosted(msg: Message, context: Context, call_next: Callable[[Message, Context], Message],
+            num_owners: int, pid: int, parts: int, key: str) -> Message:
+    if not 0 <= pid < parts:
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                             reason=f"node config partition-id={pid} not in [0, num-partitions={parts})"),
+                       reply_to=msg)
+    hosted = hosted_owners(num_owners, pid, parts)
     kind = msg.metadata.message_type.split(".")[0]
     if kind == MessageType.QUERY:
         return _merged_setup(msg, [(o, call_next(msg, _owner_context(context, o, num_owners))) for o in hosted])
@@ -393,7 +423,7 @@ def owners_mod(msg: Message, context: Context, call_next: Callable[[Message, Con
     if not owners:
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                              reason=f"none of the owners {wanted[:10]} of this {kind} message is hosted here "
-                                    f"(hosts {hosted[:10]}; check 'jdp.num-owners' and the node's "
+                                    f"(hosts {hosted[:10]}; check '{key}' and the node's "
                                     "'partition-id' / 'num-partitions')"), reply_to=msg)
     merged, errors = RecordDict(), []
     for o in owners:
@@ -420,4 +450,21 @@ def owners_mod(msg: Message, context: Context, call_next: Callable[[Message, Con
     return Message(merged, reply_to=msg)
 
 
-__all__ = ["JointDPClient", "owner_id", "owners_mod"]
+owners_mod = hosting_mod()
+owners_mod.__doc__ = """Flower mod: one SuperNode hosts several owners (``ClientApp(mods=[owners_mod])``).
+
+With ``jdp.num-owners`` = N in the run config, the node with ``partition-id`` p of
+``num-partitions`` P hosts the owners o < N with ``o % P == p``: each of the app's
+handlers (set-up, train, evaluate) is called once per owner the message is for,
+with a context whose ``partition-id`` is the owner and ``num-partitions`` is N, so
+an app written for one owner per node (its ``load_data(partition-id,
+num-partitions)``) runs unchanged; the replies are merged, each owner's
+``arrays`` and ``metrics`` under its own key (``owner.<o>``, ``metrics.<o>``).
+An owner whose handler fails is left out of the reply with a logged reason (the
+server drops it for the round); if every owner fails, the error is the reply.
+Without ``jdp.num-owners``, or with one owner per node, messages pass through.
+Simulating many owners on a few SuperNodes saves Flower's per-node cost.
+"""
+
+
+__all__ = ["JointDPClient", "hosting_mod", "owner_id", "owners_mod"]

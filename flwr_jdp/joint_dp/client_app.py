@@ -1,157 +1,108 @@
-"""The joint-DP ClientApp: one SuperNode hosts one or more owners.
+"""flwr-jdp's own ClientApp (``flwr run .``), written as a user's Flower app.
 
-For every owner it is asked to train, the node restores the owner's personal
-parameters from ``context.state``, loads the global shared parameters, trains
-(shared parameters with the configured DP mechanism, personal ones without noise),
-stores the personal parameters back in ``context.state`` and replies with the
-owner's release of shared parameters only.
+It is an ordinary Flower app on the package's client half, the same one a user's app
+uses (:class:`~flwr_jdp.joint_dp.client.JointDPClient`, hosted several owners to a
+node by :func:`~flwr_jdp.joint_dp.client.hosting_mod`) around the app's own model,
+data, ``train`` and ``test`` (:mod:`flwr_jdp.joint_dp.task`). flwr-jdp's client half does the privacy: it checks and charges each
+instruction, fits the personal layers, runs DP-SGD at the server's schedule inside
+``train`` and sends only the shared release.
 
-Under the decoupled coupling (joint-DP, record or user unit; the default) the
-release is computed with the personal parameters at their public initial values,
-and the owner's personal parameters are fitted on the broadcast shared parameters
-once per broadcast (at evaluation or at the next round, whichever comes first); see
-:mod:`flwr_jdp.joint_dp.owner_round`.
+What this app adds as its own (no privacy cost; nothing it computes is sent):
+
+- ``personal-learning-rate``: the rate ``train`` uses when it fits the personal
+  layers (shared layers frozen); ``learning-rate`` everywhere else;
+- ``augment-shift``: random translation of the owner's own training batches (never
+  of the Poisson batches of a DP release);
+- ``finetune-epochs``: after the last round each owner evaluates a copy of its model
+  adapted to its own records (every parameter, ``finetune-learning-rate``).
+
+The run config is the app's flat ``[tool.flwr.app.config]`` (every key is
+flwr-jdp's); a node's ``data-dir`` (node config) overrides the run config's.
 """
 
 from __future__ import annotations
 
-from logging import WARNING
+import copy
 
 import torch
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common import log
-from flwr.common.constant import ErrorCode
+from torch import nn
+from torch.utils.data import DataLoader
 
+from flwr_jdp.data.partition import OwnerData
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.owner_guard import InstructionRefused
-from flwr_jdp.joint_dp.owner_round import OwnerPlan, adapted_model, fit_personal, train_owner_round
-from flwr_jdp.joint_dp.owner_state import (
-    load_owner_model,
-    my_owners,
-    node_job_config,
-    num_classes,
-    owner_data,
-    owner_generator,
-    personal_fit_on,
-    public_personal,
-    save_personal,
-    shared_arrays,
-    shared_digest,
-    trained_rounds,
-)
-from flwr_jdp.joint_dp.owner_store import charge_owners, read_instructions
-from flwr_jdp.joint_dp.schedule import OwnerSize
-from flwr_jdp.privacy.units import PrivacyUnit
-from flwr_jdp.training import evaluate
-from flwr_jdp.training.dp_sgd import preload_opacus
+from flwr_jdp.joint_dp.client import JointDPClient, hosting_mod, owner_id
+from flwr_jdp.joint_dp.config import JobConfig
+from flwr_jdp.joint_dp.owner_store import owner_generator, trained_rounds
+from flwr_jdp.joint_dp.task import initial_model, loader, node_job_config, owner_data, test, train
 
-#: Offset of the adaptation's randomness stream from the rounds' streams (training uses
-#: round r, fitting personal layers at evaluation -r), so no stream is reused.
-_ADAPTATION_STREAM = 10**6
-
-app = ClientApp()
+#: Offsets of the app's own randomness streams (batch order, augmentation) from the
+#: client half's (sampling and noise of round r use stream r), so none is reused.
+_TRAIN_STREAM = 10**6
+_EVAL_STREAM = 2 * 10**6
+_ADAPT_STREAM = 3 * 10**6
 
 
-def _requested(msg: Message, hosted: list[int]) -> list[int]:
-    cfg_rec = msg.content[protocol.CONFIG]
-    wanted = [int(o) for o in cfg_rec.get(protocol.OWNERS, [])]
-    return [o for o in wanted if o in set(hosted)]
-
-
-@app.query()
-def setup(msg: Message, context: Context) -> Message:
-    """Report the owners this node hosts and their data sizes (public metadata)."""
+def _data(context: Context) -> tuple[JobConfig, OwnerData]:
     cfg = node_job_config(context)
-    owners = my_owners(cfg, context)
-    data = owner_data(cfg)
-    first = data[owners[0]] if owners else data[0]
-    rec = ConfigRecord(
-        {
-            protocol.OWNER_IDS: owners,
-            protocol.NUM_RECORDS: [len(data[o].y_train) for o in owners],
-            protocol.NUM_USERS: [data[o].num_users for o in owners],
-            protocol.IMAGE_SHAPE: [int(v) for v in first.x_train.shape[1:]],
-            protocol.NUM_CLASSES: num_classes(cfg),
-        }
-    )
-    if cfg.dp and cfg.unit is not PrivacyUnit.OWNER:  # its releases need per-sample gradients
-        preload_opacus()  # after the data are loaded: the two would compete for the CPU
-    return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
+    return cfg, owner_data(cfg)[owner_id(context)]
+
+
+def _train_fn(cfg: JobConfig, own: DataLoader, generator: torch.Generator):
+    """``train`` as the client half calls it: on the owner's own loader (fitting the
+    personal layers, or training without a DP release) it may augment, and fits
+    personal layers at ``personal-learning-rate``; on the Poisson loader of a DP
+    release it runs unaugmented at ``learning-rate``."""
+    def fn(model: nn.Module, loader: DataLoader) -> None:
+        mine = loader is own
+        lr = cfg.personal_learning_rate if mine and cfg.decoupled else cfg.learning_rate
+        train(model, loader, epochs=cfg.local_epochs, lr=lr,
+              augment_shift=cfg.augment_shift if mine else 0, generator=generator)
+    return fn
+
+
+app = ClientApp(mods=[hosting_mod("num-owners", standalone_hosts_all=True)])
+jdp = JointDPClient(
+    app,
+    model_fn=lambda context: initial_model(node_job_config(context)),
+    train_data=lambda context: loader(*_data(context), torch.Generator()),
+    user_ids=lambda context: _data(context)[1].user_ids,
+    config_fn=node_job_config,
+)
 
 
 @app.train()
-def train(msg: Message, context: Context) -> Message:
-    """Train every requested owner hosted here; reply with shared releases only.
-
-    Under local noise each owner first checks the instruction and charges its own
-    ledger (:mod:`flwr_jdp.joint_dp.owner_guard`); a refused instruction gets an
-    error reply that names the reason, and nothing is trained or released."""
+def train_owner(msg: Message, context: Context) -> Message:
+    """One owner's round: the client half around the app's ``train``."""
     torch.set_num_threads(1)
-    cfg = node_job_config(context)
-    cfg_rec = msg.content[protocol.CONFIG]
-    session = str(cfg_rec.get(protocol.SESSION, ""))
-    data = owner_data(cfg)
-    owners = _requested(msg, my_owners(cfg, context))
-    try:
-        instructions = read_instructions(cfg, cfg_rec, owners)
-        charge_owners(cfg, context, {o: OwnerSize(len(data[o].y_train), data[o].num_users) for o in owners},
-                      instructions, session)
-    except InstructionRefused as err:
-        log(WARNING, "Refused the train instruction (nothing trained or sent): %s", err)
-        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                             reason=f"refused: {err}"), reply_to=msg)
-    shared = shared_arrays(msg.content[protocol.SHARED])  # deserialised once per message
-    reply = RecordDict()
-    digest = shared_digest(shared) if cfg.decoupled else ""
-    for o in owners:
-        instruction = instructions[o]
-        model, split = load_owner_model(cfg, context, data[o], shared, session)
-        plan = OwnerPlan(instruction.sample_rate, instruction.steps, instruction.noise_multiplier)
-        generator = owner_generator(cfg, instruction.server_round, o)
-        public = None
-        if cfg.decoupled:
-            if personal_fit_on(context, o, session) != digest:
-                fit_personal(model, split, data[o], cfg, generator)
-            public = public_personal(cfg, data[o])
-        release, _ = train_owner_round(model, split, data[o], cfg, plan, generator, public)  # loss: not sent
-        save_personal(context, o, model, split, session, fit_on=digest)
-        reply[protocol.owner_key(o)] = protocol.to_record(
-            {name: release[name] for name in split.shared}  # shared names only
-        )
-        reply[protocol.metrics_key(o)] = MetricRecord({protocol.NUM_EXAMPLES: len(data[o].y_train)})
-    return Message(reply, reply_to=msg)
+    cfg, data = _data(context)
+    server_round = int(msg.content[protocol.CONFIG].get(protocol.ROUND, 0))
+    generator = owner_generator(cfg, _TRAIN_STREAM + server_round, data.owner_id)
+    own = loader(cfg, data, generator)
+    return jdp.train(msg, context, initial_model(cfg), own, _train_fn(cfg, own, generator))
 
 
 @app.evaluate()
-def evaluate_owners(msg: Message, context: Context) -> Message:
-    """Each requested owner evaluates its own model (shared + personal) on its own
-    test split. Evaluation metrics are not covered by the DP guarantee.
-
-    With ``finetune-epochs`` > 0 (joint DP) the model evaluated after the last round
-    (``num-rounds``) is a copy adapted to the owner's own training records
-    (:func:`adapted_model`); it is discarded after evaluation, so nothing the owner
-    stores or sends depends on it. Earlier rounds evaluate the unadapted model
-    (adapting every owner every round would multiply the cost of a run)."""
+def evaluate_owner(msg: Message, context: Context) -> Message:
+    """The owner's own model (broadcast shared layers, its personal layers fitted on
+    that broadcast) on its own test split. Evaluation metrics are not covered by the
+    DP guarantee."""
     torch.set_num_threads(1)
-    cfg = node_job_config(context)
-    shared = shared_arrays(msg.content[protocol.SHARED])  # deserialised once per message
-    session = str(msg.content[protocol.CONFIG].get(protocol.SESSION, ""))
-    data = owner_data(cfg)
-    reply = RecordDict()
-    digest = shared_digest(shared) if cfg.decoupled else ""
-    server_round = int(msg.content[protocol.CONFIG].get(protocol.ROUND, 0))
-    for o in _requested(msg, my_owners(cfg, context)):
-        model, split = load_owner_model(cfg, context, data[o], shared, session)
-        if cfg.decoupled and personal_fit_on(context, o, session) != digest:
-            # The owner's model is the broadcast plus personal parameters fitted on it.
-            fit_personal(model, split, data[o], cfg, owner_generator(cfg, -server_round, o))
-            save_personal(context, o, model, split, session, fit_on=digest, count_round=False)
-        if cfg.finetune_epochs > 0 and server_round >= cfg.num_rounds:
-            model = adapted_model(model, data[o], cfg, owner_generator(cfg, -server_round - _ADAPTATION_STREAM, o))
-        loss, acc = evaluate(model, data[o].x_test, data[o].y_test)
-        reply[protocol.metrics_key(o)] = MetricRecord(
-            {protocol.NUM_EXAMPLES: len(data[o].y_test), protocol.ACCURACY: acc, protocol.LOSS: loss,
-             protocol.PERSONAL_ROUNDS: trained_rounds(context, o, session)}
-        )
-    return Message(reply, reply_to=msg)
+    cfg, data = _data(context)
+    config = msg.content[protocol.CONFIG]
+    server_round = int(config.get(protocol.ROUND, 0))
+    generator = owner_generator(cfg, _EVAL_STREAM + server_round, data.owner_id)
+    own = loader(cfg, data, generator)
+    model = jdp.load(initial_model(cfg), msg, context, fit=lambda m: _train_fn(cfg, own, generator)(m, own))
+    if cfg.finetune_epochs > 0 and server_round >= cfg.num_rounds:
+        model = copy.deepcopy(model)  # the owner's adapted copy: never stored, never sent
+        adapt = owner_generator(cfg, _ADAPT_STREAM + server_round, data.owner_id)
+        train(model, loader(cfg, data, adapt), epochs=cfg.finetune_epochs, lr=cfg.finetune_learning_rate,
+              augment_shift=cfg.augment_shift, generator=adapt)
+    loss, accuracy = test(model, data.x_test, data.y_test)
+    session = str(config.get(protocol.SESSION, ""))
+    metrics = MetricRecord({protocol.NUM_EXAMPLES: len(data.y_test), protocol.ACCURACY: accuracy,
+                            protocol.LOSS: loss, protocol.PERSONAL_ROUNDS: trained_rounds(context, data.owner_id,
+                                                                                          session)})
+    return Message(RecordDict({protocol.METRICS: metrics}), reply_to=msg)

@@ -31,11 +31,11 @@ from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 
 METHODS = ("joint-dp", "full-dp", "fedavg", "per-silo")
 #: How personal parameters relate to the shared release (see
-#: :mod:`flwr_jdp.joint_dp.owner_round`): ``decoupled`` (record/user-level DP
-#: holds) or ``interleaved`` (the joint-DP paper's Algorithm 1; not covered).
-COUPLINGS = ("decoupled", "interleaved")
+#: :mod:`flwr_jdp.joint_dp.release`): only ``decoupled`` (record/user-level DP
+#: holds); the joint-DP paper's Algorithm 1 (``interleaved``) is refused.
+COUPLINGS = ("decoupled",)
 #: The public values a decoupled release holds the personal parameters at (see
-#: :func:`flwr_jdp.joint_dp.owner_state.public_personal`): ``seeded`` (the seeded
+#: :func:`flwr_jdp.joint_dp.server_app.initial_arrays`): ``seeded`` (the seeded
 #: initialisation) or ``zero-head`` (personal parameters of the model's head at zero,
 #: so the release trains the shared layers without a fixed random head beside them).
 RELEASE_PERSONAL = ("seeded", "zero-head")
@@ -263,7 +263,9 @@ def validate(cfg: JobConfig) -> None:
             compiles = False
         need(compiles, "personal_layers", "a valid regular expression")
         need(bool(cfg.personal_layers), "personal_layers", "a non-empty regular expression")
-    need(cfg.personal_coupling in COUPLINGS, "personal_coupling", f"one of {COUPLINGS}")
+    need(cfg.personal_coupling in COUPLINGS, "personal_coupling",
+         "'decoupled' (the joint-DP paper's Algorithm 1, 'interleaved', takes the release's gradients "
+         "through personal parameters fitted without noise, which voids the guarantee; not supported)")
     need(cfg.release_personal in RELEASE_PERSONAL, "release_personal", f"one of {RELEASE_PERSONAL}")
     need(cfg.release_personal == "seeded" or cfg.decoupled, "release_personal",
          "'seeded' unless the release is decoupled (method 'joint-dp', privacy-unit 'record' or "

@@ -18,8 +18,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from flwr_jdp.joint_dp.config import parse_config
-from flwr_jdp.joint_dp.owner_state import num_classes, owner_data, owner_generator
-from flwr_jdp.models import build_model
+from flwr_jdp.joint_dp.owner_store import owner_generator
+from flwr_jdp.joint_dp.task import initial_model, owner_data
 from flwr_jdp.training import evaluate, train_plain
 
 client = ClientApp()
@@ -29,7 +29,7 @@ server = ServerApp()
 def _model(context: Context, msg: Message):
     cfg = parse_config(context.run_config)
     data = owner_data(cfg)[int(context.node_config["partition-id"])]
-    model = build_model(cfg.model, data.x_train.shape[1:], num_classes(cfg), cfg.norm, cfg.seed)
+    model = initial_model(cfg)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     return cfg, data, model
 
@@ -59,8 +59,7 @@ def evaluate_owner(msg: Message, context: Context) -> Message:
 @server.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = parse_config(context.run_config)
-    data = owner_data(cfg)[0]
-    model = build_model(cfg.model, data.x_train.shape[1:], num_classes(cfg), cfg.norm, cfg.seed)
+    model = initial_model(cfg)
     strategy = FedAvg(min_train_nodes=cfg.num_owners, min_evaluate_nodes=cfg.num_owners,
                       min_available_nodes=cfg.num_owners)
     t0 = time.time()

@@ -1,4 +1,5 @@
-"""The joint-DP ServerApp: validates the run config, then runs :class:`JointDP`.
+"""flwr-jdp's own ServerApp (``flwr run .``): validates the run config, builds the
+seed CNN and runs :class:`JointDP` on it, as a user's ServerApp does.
 
 A bad configuration fails here, before any training, with a message naming the
 run-config key and its allowed range.
@@ -9,14 +10,34 @@ from __future__ import annotations
 import logging
 from logging import ERROR
 
-from flwr.app import Context
+import numpy as np
+from flwr.app import ArrayRecord, Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from flwr_jdp.joint_dp.config import ConfigError, parse_config
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.config import ConfigError, JobConfig, parse_config
 from flwr_jdp.joint_dp.strategy import JointDP
+from flwr_jdp.joint_dp.task import initial_model
+from flwr_jdp.params import split_parameters
 
 app = ServerApp()
+
+
+def initial_arrays(cfg: JobConfig) -> ArrayRecord:
+    """The seed CNN's parameters (the ClientApp builds the same model). Its personal
+    parameters are the public values every owner starts from and computes its
+    releases with; under ``release-personal = "zero-head"`` those of the model's
+    head (FC layers) are zero."""
+    model = initial_model(cfg)
+    values = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    if cfg.release_personal == "zero-head":
+        split = split_parameters(model, cfg.effective_personal_rule, allow_empty=True)
+        head = tuple(getattr(model, "HEAD_PREFIXES", ()))
+        for n in split.personal:
+            if head and n.startswith(head):
+                values[n] = np.zeros_like(values[n])
+    return protocol.to_record(values)
 
 
 @app.main()
@@ -27,12 +48,8 @@ def main(grid: Grid, context: Context) -> None:
     logging.getLogger("flwr").propagate = False
     try:
         cfg = parse_config(context.run_config)
-    except ConfigError as err:
-        log(ERROR, "Invalid configuration: %s", err)
-        raise
-    strategy = JointDP(cfg)
-    try:
-        strategy.start(grid=grid)
+        strategy = JointDP(cfg)
+        strategy.start(grid=grid, initial_arrays=initial_arrays(cfg))
     except ConfigError as err:
         log(ERROR, "Invalid configuration: %s", err)
         raise

@@ -41,24 +41,20 @@ from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import FedAvg, FedAvgM, Result, Strategy
 from flwr.serverapp.strategy.fedopt import FedOpt
-from torch import nn
 
 from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.checkpoint import Checkpoint
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config, run_folder
 from flwr_jdp.joint_dp.iterate_average import SharedParameterEMA
-from flwr_jdp.joint_dp.owner_round import release_kind
+from flwr_jdp.joint_dp.release import release_kind
 from flwr_jdp.joint_dp.schedule import OwnerSize, Schedule, build_schedule, calibrate_schedule, units_of
-from flwr_jdp.joint_dp.validation import NORM_SLACK, ArraySpec, max_sampled_units, spec_of, validate_replies
-from flwr_jdp.models import build_model
+from flwr_jdp.joint_dp.validation import NORM_SLACK, ArraySpec, max_sampled_units, validate_replies
 from flwr_jdp.node_query import query_nodes
-from flwr_jdp.params import get_arrays, split_names, split_parameters
+from flwr_jdp.params import split_names
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, numpy_rng, reclipped_sum
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
-
-ModelFn = Callable[[tuple[int, ...], int], nn.Module]
 
 
 class JointDP(AccountedStrategy):
@@ -68,10 +64,6 @@ class JointDP(AccountedStrategy):
     ----------
     cfg : JobConfig
         The validated run configuration (:func:`flwr_jdp.joint_dp.config.parse_config`).
-    model_fn : callable, optional
-        The project's own app only: ``(image_shape, num_classes) -> nn.Module``,
-        default the seed CNN. A drop-in app does not need it: the model is the
-        user's ``initial_arrays``, checked against the ClientApps' model.
     ledger : PrivacyLedger, optional
         Where releases are recorded; a new one at ``cfg.delta`` by default.
     node_settle_s : float
@@ -93,7 +85,6 @@ class JointDP(AccountedStrategy):
     def __init__(
         self,
         cfg: JobConfig | None = None,
-        model_fn: ModelFn | None = None,
         ledger: PrivacyLedger | None = None,
         node_settle_s: float = 1.0,
         inner: Strategy | None = None,
@@ -106,9 +97,6 @@ class JointDP(AccountedStrategy):
             cfg = namespaced_config({f"{NAMESPACE}.{k}": v for k, v in cfg.to_dict().items()}, **settings)
         self.cfg = cfg
         self.node_settle_s = node_settle_s
-        self.model_fn = model_fn or (
-            lambda shape, classes: build_model(cfg.model, shape, classes, cfg.norm, cfg.seed)
-        )
         self.ledger = ledger or PrivacyLedger(
             delta=cfg.delta, accountant=cfg.accountant, unit=cfg.privacy_unit,
             budget=cfg.target_epsilon, neighbouring=cfg.neighbouring,
@@ -128,7 +116,6 @@ class JointDP(AccountedStrategy):
         self.model_spec: dict[str, ArraySpec] = {}  # every parameter of the model (set-up)
         self.public_initial: dict[str, np.ndarray] = {}  # personal values the release uses
         self.session = secrets.token_hex(8)  # kept across restarts (results.json)
-        self._dropin = False  # the ClientApps use JointDPClient (set at set-up)
         self._answered: set[int] = set()
         #: Moving average of the shared parameters that owners are evaluated with
         #: (``ema-decay`` > 0; post-processing, no privacy cost).
@@ -142,7 +129,7 @@ class JointDP(AccountedStrategy):
         return cls(namespaced_config(run_config), **kwargs)
 
     # ------------------------------------------------------------------ set-up
-    def _dropin_split(self, initial: ArrayRecord) -> None:
+    def _split_initial(self, initial: ArrayRecord) -> None:
         """Shared/personal split of the user's ``initial_arrays`` by ``personal-layers``."""
         names = list(initial.keys())
         try:
@@ -156,7 +143,7 @@ class JointDP(AccountedStrategy):
         self.num_personal = int(sum(values[n].size for n in split.personal))
         self.spec = {n: self.model_spec[n] for n in split.shared}
 
-    def _check_dropin_model(self, names: list[str], shapes: list[str], node: int) -> None:
+    def _check_model(self, names: list[str], shapes: list[str], node: int) -> None:
         """The ClientApp's model (as a node reported it) against ``initial_arrays``."""
         reported = dict(zip(names, shapes, strict=False))
         given = {n: "x".join(str(d) for d in spec.shape) or "scalar" for n, spec in self.model_spec.items()}
@@ -177,22 +164,18 @@ class JointDP(AccountedStrategy):
 
     def setup(self, grid: Grid, timeout: float = 120.0,
               initial_arrays: ArrayRecord | None = None) -> ArrayRecord:
-        """Ask every node which owners it hosts and their sizes; build the initial
-        shared arrays; compute the sampling schedule and (if asked) calibrate the
+        """Ask every node which owners it hosts and their sizes (and check its model
+        against ``initial_arrays``, whose personal values it is sent); return the
+        initial shared arrays; compute the sampling schedule and (if asked) calibrate the
         noise multiplier. Fails with a message naming the key on a mismatch."""
-        found: list[tuple[tuple[int, ...], int]] = []
+        if initial_arrays is None:
+            raise ConfigError("start() needs the model: pass start(initial_arrays=ArrayRecord("
+                              "model.state_dict())) with the ClientApps' model's parameters")
         deadline = time.time() + timeout
         self._wait_for_nodes(grid, deadline)
-
-        def handle(reply: Message) -> None:
-            got = self._register_node(reply)
-            if got is not None:
-                found.append(got)
-
-        query = RecordDict({protocol.CONFIG: ConfigRecord()})
-        if initial_arrays is not None:
-            self._dropin_split(initial_arrays)
-            query[protocol.PUBLIC_PERSONAL] = protocol.to_record(self.public_initial)
+        self._split_initial(initial_arrays)
+        query = RecordDict({protocol.CONFIG: ConfigRecord(),
+                            protocol.PUBLIC_PERSONAL: protocol.to_record(self.public_initial)})
 
         def done() -> bool:
             if self.cfg.num_owners == 0:  # every node that is connected
@@ -201,7 +184,7 @@ class JointDP(AccountedStrategy):
 
         answered, silent = query_nodes(
             grid, lambda n: Message(query, dst_node_id=n, message_type=MessageType.QUERY),
-            handle, done, deadline)
+            self._register_node, done, deadline)
         wanted = range(self.cfg.num_owners) if self.cfg.num_owners else sorted(self.owner_node)
         missing = sorted(set(wanted) - set(self.owner_node))
         if not self.owner_node:
@@ -218,35 +201,9 @@ class JointDP(AccountedStrategy):
                 f"run-config key 'num-owners'={self.cfg.num_owners} but no node hosts owners "
                 f"{shown} ({len(answered)} nodes connected, all answered)"
             )
-        if self._dropin:
-            if initial_arrays is None:
-                raise ConfigError("the ClientApps use JointDPClient: pass the user's model as "
-                                  "start(initial_arrays=ArrayRecord(...))")
-            self.schedule = build_schedule(self.cfg, self.sizes)
-            self._calibrate()
-            return protocol.to_record({n: initial_arrays[n].numpy() for n in self.spec})
-        shape, classes = found[-1]
-        model = self.model_fn(shape, classes)
-        try:
-            split = split_parameters(model, self.cfg.effective_personal_rule,
-                                     allow_empty=self.cfg.method != "joint-dp")
-        except ValueError as err:
-            raise ConfigError(f"run-config key 'personal-layers': {err}") from None
-        self.num_personal = sum(p.numel() for n, p in model.named_parameters()
-                                if n in split.personal)
-        self.model_spec = spec_of(protocol.to_record(get_arrays(model, list(split.shared) + list(split.personal))))
-        self.public_initial = dict(get_arrays(model, split.personal))
-        initial = protocol.to_record(get_arrays(model, split.shared))
-        self.spec = spec_of(initial)
         self.schedule = build_schedule(self.cfg, self.sizes)
-        if (self.cfg.dp and self.cfg.method == "joint-dp" and not self.cfg.decoupled
-                and self.cfg.unit is not PrivacyUnit.OWNER):
-            log(WARNING, "personal-coupling='interleaved': shared gradients are taken through "
-                "personal parameters trained without noise, so the %s-level guarantee the "
-                "ledger reports is NOT established (the paper's Algorithm 1, kept for "
-                "reproduction only); use 'decoupled'", self.cfg.privacy_unit)
         self._calibrate()
-        return initial
+        return protocol.to_record({n: initial_arrays[n].numpy() for n in self.spec})
 
     def _calibrate(self) -> None:
         assert self.schedule is not None
@@ -275,19 +232,19 @@ class JointDP(AccountedStrategy):
                 return
             time.sleep(poll)
 
-    def _register_node(self, reply: Message) -> tuple[tuple[int, ...], int] | None:
-        """Record the owners a node hosts; return (image shape, classes) if any."""
+    def _register_node(self, reply: Message) -> None:
+        """Record the owners a node hosts after checking its model."""
         if reply.has_error():
             raise RuntimeError(
                 f"node {reply.metadata.src_node_id} failed at set-up: {reply.error.reason}"
             )
         self._answered.add(reply.metadata.src_node_id)
         rec = reply.content[protocol.SETUP]
-        if protocol.PARAM_NAMES in rec:  # a drop-in ClientApp (JointDPClient)
-            self._dropin = True
-            if self.model_spec:
-                self._check_dropin_model(list(rec[protocol.PARAM_NAMES]), list(rec[protocol.PARAM_SHAPES]),
-                                         reply.metadata.src_node_id)
+        if protocol.PARAM_NAMES not in rec:
+            raise ConfigError(f"node {reply.metadata.src_node_id} replied to the set-up without its model's "
+                              "parameter names: its ClientApp does not use flwr_jdp's JointDPClient")
+        self._check_model(list(rec[protocol.PARAM_NAMES]), list(rec[protocol.PARAM_SHAPES]),
+                          reply.metadata.src_node_id)
         for o, nrec, nusr in zip(rec[protocol.OWNER_IDS], rec[protocol.NUM_RECORDS],
                                  rec[protocol.NUM_USERS], strict=False):
             if int(o) in self.owner_node:
@@ -295,9 +252,6 @@ class JointDP(AccountedStrategy):
                                   "'partition-id' and 'num-partitions'")
             self.owner_node[int(o)] = reply.metadata.src_node_id
             self.sizes[int(o)] = OwnerSize(int(nrec), int(nusr))
-        if not rec[protocol.OWNER_IDS] or protocol.IMAGE_SHAPE not in rec:
-            return None
-        return tuple(int(v) for v in rec[protocol.IMAGE_SHAPE]), int(rec[protocol.NUM_CLASSES])
 
     # ---------------------------------------------------------------- training
     def _select(self) -> list[int]:
@@ -482,26 +436,10 @@ class JointDP(AccountedStrategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Mean over owners of each owner's personalized test accuracy."""
-        required = (protocol.NUM_EXAMPLES,) if self._dropin else (
-            protocol.NUM_EXAMPLES, protocol.ACCURACY, protocol.PERSONAL_ROUNDS)
-        valid = validate_replies(list(replies), self._requested, None, required_metrics=required)
+        valid = validate_replies(list(replies), self._requested, None, required_metrics=(protocol.NUM_EXAMPLES,))
         for reason in valid.dropped.values():
             log(WARNING, "round %d: dropped evaluation reply: %s", server_round, reason)
-        if self._dropin:
-            return _weighted_metrics(valid.metrics)
-        accs = [m[protocol.ACCURACY] for m in valid.metrics.values() if m[protocol.ACCURACY] <= 1.0]
-        if not accs:
-            return None
-        n = [m[protocol.NUM_EXAMPLES] for m in valid.metrics.values()]
-        weighted = sum(m[protocol.ACCURACY] * m[protocol.NUM_EXAMPLES] for m in valid.metrics.values())
-        return MetricRecord({
-            "accuracy": float(np.mean(accs)),
-            "accuracy-std": float(np.std(accs)),
-            "accuracy-weighted": float(weighted / max(1.0, sum(n))),
-            "owners": len(accs),
-            "personal-rounds-min": min(m.get(protocol.PERSONAL_ROUNDS, 0.0)
-                                       for m in valid.metrics.values()),
-        })
+        return _weighted_metrics(valid.metrics)
 
     def summary(self) -> None:
         """Log the privacy configuration."""
@@ -559,8 +497,6 @@ class JointDP(AccountedStrategy):
         # installed would print every line a second time.
         logging.getLogger("flwr").propagate = False
         arrays = self.setup(grid, timeout=120.0, initial_arrays=initial_arrays)
-        if initial_arrays is not None and not self._dropin:
-            arrays = self._checked_initial_arrays(initial_arrays)
         self._ckpt = ckpt = Checkpoint(Path(cfg.results_dir), cfg.to_dict())
         self.history = []
         start_round = 1
@@ -606,11 +542,9 @@ class JointDP(AccountedStrategy):
         return self._evaluated_arrays(arrays)
 
     def evaluate_fn_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
-        """Drop-in apps: the shared model plus the personal parameters at their public
+        """The shared model plus the personal parameters at their public
         initial values (the server never holds an owner's personal layers), in the
         order of ``initial_arrays``, so ``evaluate_fn`` can ``load_state_dict`` it."""
-        if not self._dropin:
-            return arrays
         values = {k: v.numpy() for k, v in arrays.items()}
         values.update(self.public_initial)
         return protocol.to_record({k: values[k] for k in self.model_spec if k in values})
@@ -635,9 +569,9 @@ class JointDP(AccountedStrategy):
             "dropped_owners": int(info.get("dropped-owners", 0)),
             "skipped": bool(self.spec) and (bool(info.get("skipped", False)) or int(info.get("valid-owners", 0)) == 0),
         }
-        if not self._dropin:
-            row["personal_rounds_min"] = int(eval_metrics["personal-rounds-min"]) if eval_metrics else 0
-        elif eval_metrics is not None:
+        if eval_metrics is not None and "personal-rounds-min" in eval_metrics:
+            row["personal_rounds_min"] = int(eval_metrics["personal-rounds-min"])
+        if eval_metrics is not None:
             row["owner_metrics"] = {k: float(v) for k, v in eval_metrics.items()
                                     if k not in ("personal-rounds-min",)}
         return row
@@ -647,33 +581,6 @@ class JointDP(AccountedStrategy):
                 f"{row['accuracy']:.4f} over {row['evaluated_owners']} owners | epsilon {row['epsilon']:.4f} "
                 f"(target {self.cfg.target_epsilon:.4g}) at delta {self.cfg.delta:.3g} | noise multiplier "
                 f"{self.noise_multiplier:.4f}")
-
-    def _checked_initial_arrays(self, initial: ArrayRecord) -> ArrayRecord:
-        """The shared part of the user's ``initial_arrays``, after checking it
-        against the model the ClientApps build (raises :class:`ConfigError` naming
-        the array, before any privacy is spent)."""
-        names = list(initial.keys())
-        unknown = [n for n in names if n not in self.model_spec]
-        if unknown:
-            raise ConfigError(f"initial_arrays has {unknown[:5]}, which the ClientApp's model does "
-                              f"not have (its parameters: {list(self.model_spec)[:8]}...)")
-        missing = [n for n in self.spec if n not in names]
-        if missing:
-            raise ConfigError(f"initial_arrays lacks the shared parameters {missing[:5]}")
-        for name in names:
-            arr = initial[name]
-            want = self.model_spec[name]
-            if tuple(arr.shape) != want.shape or str(arr.dtype) != want.dtype:
-                raise ConfigError(
-                    f"initial_arrays['{name}'] has shape {tuple(arr.shape)} and dtype {arr.dtype}; "
-                    f"the ClientApp's model has {want.shape} and {want.dtype}")
-            if name in self.public_initial and not np.array_equal(arr.numpy(), self.public_initial[name]):
-                raise ConfigError(
-                    f"initial_arrays['{name}'] is a personal parameter (personal-layers="
-                    f"{self.cfg.effective_personal_rule!r}) with values other than the ClientApp "
-                    "model's public initial ones, which the owners' releases are computed with: "
-                    "leave personal parameters out of initial_arrays")
-        return protocol.to_record({n: initial[n].numpy() for n in self.spec})
 
     def _evaluated_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
         """The shared model owners are evaluated with: the moving average once a
@@ -734,7 +641,7 @@ def _weighted_metrics(metrics: dict[int, dict[str, float]]) -> MetricRecord | No
     if not metrics:
         return None
     total = sum(m[protocol.NUM_EXAMPLES] for m in metrics.values()) or 1.0
-    keys = sorted({k for m in metrics.values() for k in m} - {protocol.NUM_EXAMPLES})
+    keys = sorted({k for m in metrics.values() for k in m} - {protocol.NUM_EXAMPLES, protocol.PERSONAL_ROUNDS})
     out = {k: float(sum(m.get(k, 0.0) * m[protocol.NUM_EXAMPLES] for m in metrics.values()) / total)
            for k in keys if all(k in m for m in metrics.values())}
     acc = next((k for k in out if k == "accuracy"), None) or next((k for k in out if "acc" in k), None)
@@ -744,6 +651,8 @@ def _weighted_metrics(metrics: dict[int, dict[str, float]]) -> MetricRecord | No
         out["accuracy-std"] = float(np.std(accs))
         out["accuracy-weighted"] = float(sum(m[acc] * m[protocol.NUM_EXAMPLES] for m in metrics.values()) / total)
     out["owners"] = len(metrics)
+    if all(protocol.PERSONAL_ROUNDS in m for m in metrics.values()):  # flwr-jdp's own app
+        out["personal-rounds-min"] = float(min(m[protocol.PERSONAL_ROUNDS] for m in metrics.values()))
     return MetricRecord(out)
 
 

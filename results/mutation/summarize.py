@@ -58,7 +58,7 @@ SELECTED = (
     "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_aggregate",
     "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_post_process",
     "flwr_jdp.joint_dp.client",
-    "flwr_jdp.joint_dp.owner_state",
+    "flwr_jdp.joint_dp.release",
     "flwr_jdp.joint_dp.owner_store",
     # The generic accounting: events, both backends, calibration, the ledger and
     # horizontal composition (subject-level DP).

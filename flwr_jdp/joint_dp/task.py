@@ -1,0 +1,79 @@
+"""flwr-jdp's own app's model, data and training (the ``task.py`` of a Flower app):
+the seed CNN, each owner's partition of the configured data set, a plain SGD
+``train`` and a ``test`` function. Nothing here knows about privacy; the ClientApp
+(:mod:`flwr_jdp.joint_dp.client_app`) hands these to the client half and the
+ServerApp builds ``initial_arrays`` from :func:`initial_model`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import torch
+from flwr.app import Context
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from flwr_jdp.data.datasets import dataset_shape
+from flwr_jdp.data.partition import OwnerData, load_partitions
+from flwr_jdp.joint_dp.config import JobConfig, parse_config
+from flwr_jdp.models import build_model
+from flwr_jdp.training import evaluate as test
+from flwr_jdp.training.augment import random_shift
+from flwr_jdp.training.plain import record_losses
+
+
+def node_job_config(context: Context) -> JobConfig:
+    """The run config, with this node's ``data-dir`` (node config) taking precedence:
+    each SuperNode may keep its data set in its own place."""
+    cfg = parse_config(context.run_config)
+    data_dir = context.node_config.get("data-dir")
+    return dataclasses.replace(cfg, data_dir=str(data_dir)) if data_dir else cfg
+
+
+def owner_data(cfg: JobConfig) -> tuple[OwnerData, ...]:
+    """Every owner's partition for this configuration (loaded once per process)."""
+    return load_partitions(
+        cfg.dataset, cfg.data_dir, cfg.num_owners, cfg.classes_per_owner,
+        cfg.max_records, cfg.records_per_user, cfg.seed, cfg.partitioner,
+        cfg.validation_fraction, cfg.validation_source,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _seeded_model(cfg: JobConfig) -> nn.Module:
+    shape, classes = dataset_shape(cfg.dataset)
+    return build_model(cfg.model, shape, classes, cfg.norm, cfg.seed)
+
+
+def initial_model(cfg: JobConfig) -> nn.Module:
+    """The seed CNN of the configured data set, seeded by ``seed``: a fresh copy of
+    a model built once per process (the ServerApp's ``initial_arrays`` are its
+    parameters)."""
+    return copy.deepcopy(_seeded_model(cfg))
+
+
+def loader(cfg: JobConfig, data: OwnerData, generator: torch.Generator) -> DataLoader:
+    records = TensorDataset(torch.from_numpy(data.x_train), torch.from_numpy(data.y_train))
+    return DataLoader(records, batch_size=cfg.batch_size, shuffle=True, generator=generator)
+
+
+def train(model: nn.Module, loader: DataLoader, *, epochs: int, lr: float, augment_shift: int = 0,
+          generator: torch.Generator | None = None) -> None:
+    """Plain SGD on every trainable parameter of ``model`` (cross-entropy), the
+    app's own train function."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr)
+    model.train()
+    for _ in range(epochs):
+        for x, y in loader:
+            if augment_shift:
+                x = random_shift(x, augment_shift, generator)
+            optimizer.zero_grad()
+            record_losses(model(x), y).mean().backward()
+            optimizer.step()
+
+
+__all__ = ["initial_model", "loader", "node_job_config", "owner_data", "test", "train"]
