@@ -13,3 +13,25 @@ from :mod:`flwr_jdp.strategies` and the client halves from :mod:`flwr_jdp.client
 """
 
 __version__ = "0.1.0"
+
+
+def _import_opacus_quietly() -> None:
+    """Import Opacus without the root-logger handler its import installs
+    (``logging.basicConfig`` in ``opacus.utils.module_utils``): with it, every DEBUG
+    line of Flower's logger (which propagates) would be printed. A root handler the
+    application configured itself is kept."""
+    import logging
+    import sys
+
+    if "opacus" in sys.modules:
+        return
+    root = logging.getLogger()
+    before = list(root.handlers)
+    import opacus.utils.module_utils  # noqa: F401
+
+    for handler in list(root.handlers):
+        if handler not in before:
+            root.removeHandler(handler)
+
+
+_import_opacus_quietly()

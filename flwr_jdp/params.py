@@ -37,7 +37,8 @@ def split_parameters(model: nn.Module, rule: str, *, allow_empty: bool = False) 
     return split_names([n for n, _ in model.named_parameters()], rule, allow_empty=allow_empty)
 
 
-def split_names(names: list[str], rule: str, *, allow_empty: bool = False) -> ParamSplit:
+def split_names(names: list[str], rule: str, *, allow_empty: bool = False,
+                what: str = "the model") -> ParamSplit:
     """:func:`split_parameters` on parameter names (the server's view of a model:
     the names of the user's ``initial_arrays``)."""
     try:
@@ -48,11 +49,11 @@ def split_names(names: list[str], rule: str, *, allow_empty: bool = False) -> Pa
     shared = tuple(n for n in names if n not in personal)
     if not allow_empty and not personal:
         raise ValueError(
-            f"personal-layers rule {rule!r} matches no parameter; parameters are {names}"
+            f"personal-layers rule {rule!r} matches no parameter of {what}; its parameters are {names}"
         )
     if not allow_empty and not shared:
         raise ValueError(
-            f"personal-layers rule {rule!r} matches every parameter; at least one must be shared"
+            f"personal-layers rule {rule!r} matches every parameter of {what}; at least one must be shared"
         )
     return ParamSplit(shared, personal)
 

@@ -9,6 +9,7 @@ a loop that steps twice per batch) each a clear error naming the cause."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import tomllib
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.config import flatten_dict
 from torch import nn
@@ -26,7 +27,7 @@ from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.client import JointDPClient
 from flwr_jdp.joint_dp.config import ConfigError, namespaced_config
-from flwr_jdp.strategies import JointDP
+from flwr_jdp.strategies import JointDP, load_results
 from flwr_jdp.training.user_loop import private_training
 from tests.test_owners_mod import _contains
 
@@ -89,6 +90,9 @@ def test_the_users_app_trains_under_joint_dp_and_no_personal_value_leaves(exampl
                 sent += [a.ravel() for a in record.to_numpy_ndarrays()]
     for value in stored:  # no personal value hides in anything sent, whole or as a run
         assert not any(_contains(arr, value[:8]) for arr in sent)
+    recorded = load_results(run_config["jdp.results-dir"])["config"]  # only what the run used
+    assert recorded["personal-layers"] == "^fc3\\." and recorded["target-epsilon"] == 8.0
+    assert not {"dataset", "model", "data-dir", "learning-rate", "personal-learning-rate"} & set(recorded)
 
 
 def test_evaluate_fn_train_config_and_the_round_horizon_are_honoured(example, run_config):
@@ -108,8 +112,9 @@ def test_evaluate_fn_train_config_and_the_round_horizon_are_honoured(example, ru
     for _, arrays in seen:  # personal layers: the public initial values, never an owner's
         np.testing.assert_array_equal(arrays["fc3.weight"], initial["fc3.weight"].numpy())
     assert not np.array_equal(seen[2][1]["conv1.weight"], initial["conv1.weight"].numpy())
-    with pytest.raises(ConfigError, match="num-rounds"):
-        _start(example, run_config, num_rounds=3)  # owners agreed to 2 rounds (local noise)
+    # owners agreed to 2 rounds (local noise); the message names the key as the app spells it
+    with pytest.raises(ConfigError, match=r"run-config key 'jdp.num-rounds'=2.*set jdp.num-rounds = 3"):
+        _start(example, run_config, num_rounds=3)
 
 
 def test_initial_arrays_that_do_not_match_fail_before_any_spending(example, run_config):
@@ -133,11 +138,43 @@ def test_personal_layers_matching_nothing_or_everything_fail_at_start(example, r
         _start(example, run_config)
 
 
+def test_initial_arrays_of_another_model_are_named_as_such(example, run_config):
+    """A model with other parameter names (the personal-layers rule matches none of
+    them): the error names initial_arrays and their names, not just the rule."""
+    other = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    with pytest.raises(ConfigError, match=r"'jdp.personal-layers'.*no parameter of initial_arrays.*'0.weight'"
+                                          r".*must be the ClientApp's model"):
+        _start(example, run_config, initial=ArrayRecord(other.state_dict()))
+    assert not (Path(run_config["jdp.results-dir"]) / "ledger.json").exists()
+
+
+def test_an_accuracy_metric_under_another_name_is_warned_about(caplog):
+    strategy = JointDP(num_rounds=1)
+    strategy._requested = {7: [0]}
+    InProcessGrid(None, 0, {})  # the task identity Messages are stamped with
+    instruction = Message(RecordDict(), dst_node_id=7, message_type=MessageType.EVALUATE)
+    reply = Message(RecordDict({"metrics": MetricRecord({"top1": 0.5, "num-examples": 10})}), reply_to=instruction)
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addHandler(caplog.handler)
+    try:
+        metrics = strategy.aggregate_evaluate(1, [reply])
+        strategy.aggregate_evaluate(2, [reply])
+    finally:
+        flwr_logger.removeHandler(caplog.handler)
+    assert metrics["top1"] == 0.5 and "accuracy" not in metrics
+    warned = [r for r in caplog.records if "none named 'accuracy'" in r.getMessage()]
+    assert len(warned) == 1 and "top1" in warned[0].getMessage()  # once per run
+
+
 def test_namespaced_keys_are_checked_and_named():
     with pytest.raises(ConfigError, match="jdp.target-epsilon"):
         namespaced_config({"jdp.target-epsilon": -1.0})
     with pytest.raises(ConfigError, match="unknown run-config key 'jdp.epsilon'"):
         namespaced_config({"jdp.epsilon": 1.0})
+    with pytest.raises(ConfigError, match="'jdp.dataset' is a setting of flwr-jdp's own app"):
+        namespaced_config({"jdp.dataset": "fashion-mnist"})  # the user's code loads its own data
+    with pytest.raises(ConfigError, match="unknown flwr-jdp setting 'model'"):
+        JointDP(model="seed-cnn")
     cfg = namespaced_config({"learning-rate": 5.0, "jdp.batch-size": 7})  # the app's own keys are ignored
     assert cfg.batch_size == 7 and cfg.learning_rate == 0.1
     assert JointDP(target_epsilon=2.0).cfg.target_epsilon == 2.0

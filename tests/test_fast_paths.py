@@ -312,29 +312,3 @@ def test_setup_asks_a_silent_node_again_and_names_it_if_it_never_answers(run_con
     with pytest.raises(ConfigError, match=r"'num-owners'=5 but no node hosts owners \[4\]"):
         JointDP(parse_config({**run_config, "num-owners": 5}), node_settle_s=0).setup(
             _SetupGrid({}, model), timeout=1.5, initial_arrays=arrays)
-
-
-def test_preload_opacus_imports_it_once_in_a_background_thread():
-    """``preload_opacus``: one non-daemon thread per process, after which the first
-    use finds the module (checked in a fresh process, where Opacus is not
-    imported yet)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "from flwr_jdp.training import dp_sgd\n"
-        "assert 'opacus' not in sys.modules\n"
-        "dp_sgd.preload_opacus()\n"
-        "thread = dp_sgd._preload\n"
-        "assert thread is not None and not thread.daemon\n"
-        "dp_sgd.preload_opacus()\n"
-        "assert dp_sgd._preload is thread\n"
-        "from opacus import GradSampleModule\n"
-        "thread.join()\n"
-        "assert GradSampleModule.__module__.startswith('opacus.')\n"
-        "print('ok')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "ok"

@@ -577,33 +577,6 @@ def test_the_per_sample_backend_is_chosen_as_configured(monkeypatch):
     grads.close()
 
 
-def test_preload_opacus_starts_one_named_import_thread_once(monkeypatch):
-    import importlib
-    import types
-
-    started = []
-
-    class FakeThread:
-        def __init__(self, target=None, args=(), name=None):
-            self.target, self.args, self.name = target, args, name
-
-        def start(self):
-            started.append(self)
-
-    monkeypatch.setattr(d, "threading", types.SimpleNamespace(Thread=FakeThread))
-    monkeypatch.setattr(d, "_preload", None)
-    monkeypatch.setattr(d, "sys", types.SimpleNamespace(modules={}))
-    d.preload_opacus()
-    d.preload_opacus()
-    assert len(started) == 1 and d._preload is started[0]
-    assert started[0].target is importlib.import_module and started[0].args == ("opacus",)
-    assert started[0].name == "opacus-preload"
-    monkeypatch.setattr(d, "_preload", None)
-    monkeypatch.setattr(d, "sys", types.SimpleNamespace(modules={"opacus": object()}))
-    d.preload_opacus()  # already imported: nothing to do
-    assert len(started) == 1 and d._preload is None
-
-
 def test_unit_index_casts_user_ids_to_int64():
     idx, n = d._unit_index(2, np.array([0.0, 1.0]))
     assert idx.dtype == torch.int64 and n == 2

@@ -10,6 +10,8 @@ façades users import (``flwr_jdp.strategies``, ``flwr_jdp.client``).
 """
 
 import ast
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -91,3 +93,17 @@ def test_research_is_neither_installed_nor_in_the_fab():
     assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["flwr_jdp*"]
     assert not (PKG / "reproduce").exists()
     assert not [g for g in project["tool"]["flwr"]["app"]["fab-include"] if g.startswith("research")]
+
+
+def test_importing_flwr_jdp_leaves_the_root_logger_alone():
+    """Opacus's import gives the root logger a handler (logging.basicConfig), through
+    which every DEBUG line of Flower's logger would be printed; flwr-jdp takes it back
+    off, and keeps a root handler the application set up itself."""
+    code = ("import logging, flwr_jdp.strategies, flwr_jdp.client; import opacus; "
+            "print(len(logging.getLogger().handlers))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
+    code = ("import logging; logging.basicConfig(); import flwr_jdp.strategies; "
+            "print(len(logging.getLogger().handlers))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"

@@ -44,7 +44,7 @@ def test_num_rounds_is_the_calibration_horizon_under_central_noise(run_config):
 
 
 def test_num_rounds_other_than_the_owners_horizon_is_refused_under_local_noise(run_config):
-    with pytest.raises(ConfigError, match=r"start\(num_rounds=3\) differs from run-config 'num-rounds'=2"):
+    with pytest.raises(ConfigError, match=r"start\(num_rounds=3\) differs from run-config key 'num-rounds'=2"):
         _start(run_config, num_rounds=3)
     assert _nothing_spent(run_config)
 

@@ -230,3 +230,35 @@ def test_a_model_that_mixes_the_records_of_a_batch_is_refused(monkeypatch):
     torch.manual_seed(0)
     with pytest.raises(UserLoopError, match="depends on the other records of its batch"):
         _capture_round(_CentresTheBatch(), torch.randn(6, 4), torch.randint(0, 3, (6,)))
+
+
+@pytest.mark.parametrize("backend", ["func", "opacus"])
+def test_the_train_function_reaches_the_models_own_attributes(backend, monkeypatch):
+    """Inside the private passes the user's train function gets the model wrapped
+    (parameters named ``_module.<name>``, as Opacus names them); the model's own
+    attributes and methods (``net.fc``, ``net.head_only()``) are still the model's."""
+    monkeypatch.setattr(per_sample, "BACKEND", backend)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(3, 4)
+            self.fc = nn.Linear(4, 2)
+            self.scale = 2.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(torch.relu(self.body(x))) * self.scale
+
+        def head_only(self) -> list[nn.Parameter]:
+            return list(self.fc.parameters())
+
+    net = Net()
+    data = DataLoader(TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,))), batch_size=4)
+    with private_training(net, data, unit_of_record=torch.arange(8), num_units=8, sample_rate=0.5, steps=1,
+                          noise_multiplier=0.0, clipping_norm=1.0,
+                          generator=torch.Generator().manual_seed(0)) as (private, loader, _):
+        assert private.fc is net.fc and private.scale == 2.0
+        assert private.head_only() == list(net.fc.parameters())
+        assert {n for n, _ in private.named_parameters()} == {f"_module.{n}" for n, _ in net.named_parameters()}
+        with pytest.raises(AttributeError):
+            _ = private.no_such_attribute

@@ -308,21 +308,59 @@ NAMESPACE = "jdp"
 DROPIN_DEFAULTS: dict[str, Any] = {"num-owners": 0, "num-rounds": 3, "local-epochs": 1,
                                    "batch-size": 32, "learning-rate": 0.1, "results-dir": ""}
 
+#: Keys only flwr-jdp's own app reads (its data set, model and training of the
+#: personal layers): a drop-in app's own code owns these, so a ``jdp.*`` key among
+#: them is refused rather than silently unused.
+OWN_APP_KEYS = ("dataset", "data-dir", "max-records", "classes-per-owner", "partitioner",
+                "validation-fraction", "validation-source", "model", "norm", "seed",
+                "augment-shift", "personal-learning-rate", "finetune-epochs",
+                "finetune-learning-rate", "release-personal")
 
 
 def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig:
     """A :class:`JobConfig` from the ``jdp.*`` keys of a user's run config (other
     keys are the app's own and ignored), then keyword ``overrides`` (Python names,
-    ``target_epsilon=2.0``). An unknown ``jdp.*`` key or override fails naming it."""
-    known = {_key(f.name) for f in fields(JobConfig)}
+    ``target_epsilon=2.0``). An unknown ``jdp.*`` key or override, or one of
+    flwr-jdp's own app (:data:`OWN_APP_KEYS`), fails naming it."""
     prefix = f"{NAMESPACE}."
+    known = {_key(f.name) for f in fields(JobConfig)} - set(OWN_APP_KEYS)
+    for key in run_config:
+        if key.startswith(prefix) and key[len(prefix):] in OWN_APP_KEYS:
+            raise ConfigError(f"run-config key '{key}' is a setting of flwr-jdp's own app (its data set, "
+                              "model and personal-layer training); in your app your own code owns it: remove it")
     values = dict(DROPIN_DEFAULTS)
     values.update(namespace(run_config, prefix, known))
+    values.update(_overrides(overrides, known))
+    with key_prefix(prefix):
+        return parse_config(values)
+
+
+def with_settings(cfg: JobConfig, **overrides: Any) -> JobConfig:
+    """``cfg`` with keyword ``overrides`` (Python names), validated again."""
+    values = cfg.to_dict()
+    values.update(_overrides(overrides, set(values)))
+    return parse_config(values)
+
+
+def _overrides(overrides: dict[str, Any], known: set[str]) -> dict[str, Any]:
+    values = {}
     for name, value in overrides.items():
         key = _key(name)
         if key not in known:
             raise ConfigError(f"unknown flwr-jdp setting '{name}'; settings are "
                               f"{', '.join(sorted(k.replace('-', '_') for k in known))}")
         values[key] = value
-    with key_prefix(prefix):
-        return parse_config(values)
+    return values
+
+
+def dropin_record(cfg: JobConfig) -> dict[str, Any]:
+    """The settings a drop-in run uses, as ``results.json`` records them: without
+    :data:`OWN_APP_KEYS`, and without the server step sizes the run's release does not
+    use (``learning-rate``: central noise, record or user unit; ``server-learning-rate``:
+    owner unit)."""
+    unused = set(OWN_APP_KEYS)
+    if not (cfg.dp and cfg.unit is not PrivacyUnit.OWNER and cfg.placement is NoisePlacement.CENTRAL):
+        unused.add("learning-rate")
+    if not (cfg.dp and cfg.unit is PrivacyUnit.OWNER):
+        unused.add("server-learning-rate")
+    return {k: v for k, v in cfg.to_dict().items() if k not in unused}

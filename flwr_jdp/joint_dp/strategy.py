@@ -45,7 +45,15 @@ from flwr.serverapp.strategy.fedopt import FedOpt
 from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.checkpoint import Checkpoint
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config, run_folder
+from flwr_jdp.joint_dp.config import (
+    NAMESPACE,
+    ConfigError,
+    JobConfig,
+    dropin_record,
+    namespaced_config,
+    run_folder,
+    with_settings,
+)
 from flwr_jdp.joint_dp.iterate_average import SharedParameterEMA
 from flwr_jdp.joint_dp.release import release_kind
 from flwr_jdp.joint_dp.schedule import OwnerSize, Schedule, build_schedule, calibrate_schedule, units_of
@@ -91,10 +99,14 @@ class JointDP(AccountedStrategy):
         **settings: object,
     ) -> None:
         self.inner = _checked_inner(inner)
+        #: How the user spells flwr-jdp's run-config keys (in error messages): ``jdp.``
+        #: in a drop-in app (:meth:`from_run_config`, or settings without ``cfg``),
+        #: none in flwr-jdp's own app, whose whole run config is flwr-jdp's.
+        self.key_prefix = "" if cfg is not None else f"{NAMESPACE}."
         if cfg is None:
             cfg = namespaced_config({}, **settings)
         elif settings:
-            cfg = namespaced_config({f"{NAMESPACE}.{k}": v for k, v in cfg.to_dict().items()}, **settings)
+            cfg = with_settings(cfg, **settings)
         self.cfg = cfg
         self.node_settle_s = node_settle_s
         self.ledger = ledger or PrivacyLedger(
@@ -117,6 +129,7 @@ class JointDP(AccountedStrategy):
         self.public_initial: dict[str, np.ndarray] = {}  # personal values the release uses
         self.session = secrets.token_hex(8)  # kept across restarts (results.json)
         self._answered: set[int] = set()
+        self._warned_accuracy = False
         #: Moving average of the shared parameters that owners are evaluated with
         #: (``ema-decay`` > 0; post-processing, no privacy cost).
         self.ema = SharedParameterEMA(cfg.ema_decay) if cfg.ema_decay > 0 else None
@@ -126,7 +139,13 @@ class JointDP(AccountedStrategy):
         """A strategy configured by the ``jdp.*`` keys of a user's run config
         (``[tool.flwr.app.config.jdp]`` in pyproject.toml; every owner checks its
         instructions against the same keys); ``kwargs`` as for the constructor."""
-        return cls(namespaced_config(run_config), **kwargs)
+        strategy = cls(namespaced_config(run_config), **kwargs)
+        strategy.key_prefix = f"{NAMESPACE}."
+        return strategy
+
+    def _key(self, key: str) -> str:
+        """Run-config key ``key`` as the user's app spells it (``jdp.num-rounds``)."""
+        return f"{self.key_prefix}{key}"
 
     # ------------------------------------------------------------------ set-up
     def _split_initial(self, initial: ArrayRecord) -> None:
@@ -134,9 +153,11 @@ class JointDP(AccountedStrategy):
         names = list(initial.keys())
         try:
             split = split_names(names, self.cfg.effective_personal_rule,
-                                allow_empty=self.cfg.method != "joint-dp")
+                                allow_empty=self.cfg.method != "joint-dp", what="initial_arrays")
         except ValueError as err:
-            raise ConfigError(f"run-config key 'personal-layers': {err}") from None
+            raise ConfigError(f"run-config key '{self._key('personal-layers')}': {err} (the rule applies to "
+                              "the names of start(initial_arrays=...), which must be the ClientApp's "
+                              "model's parameters)") from None
         values = {n: initial[n].numpy() for n in names}
         self.model_spec = {n: ArraySpec(tuple(v.shape), str(v.dtype)) for n, v in values.items()}
         self.public_initial = {n: values[n] for n in split.personal}
@@ -198,7 +219,7 @@ class JointDP(AccountedStrategy):
                     "unaccounted for: the nodes may still be starting on a busy machine, or have failed"
                 )
             raise ConfigError(
-                f"run-config key 'num-owners'={self.cfg.num_owners} but no node hosts owners "
+                f"run-config key '{self._key('num-owners')}'={self.cfg.num_owners} but no node hosts owners "
                 f"{shown} ({len(answered)} nodes connected, all answered)"
             )
         self.schedule = build_schedule(self.cfg, self.sizes)
@@ -439,7 +460,13 @@ class JointDP(AccountedStrategy):
         valid = validate_replies(list(replies), self._requested, None, required_metrics=(protocol.NUM_EXAMPLES,))
         for reason in valid.dropped.values():
             log(WARNING, "round %d: dropped evaluation reply: %s", server_round, reason)
-        return _weighted_metrics(valid.metrics)
+        metrics = _weighted_metrics(valid.metrics)
+        if metrics is not None and "accuracy" not in metrics and not self._warned_accuracy:
+            self._warned_accuracy = True
+            names = sorted(k for k in metrics if k != "owners")
+            log(WARNING, "The owners' evaluation metrics %s have none named 'accuracy' (or containing "
+                "'acc'): the round lines show accuracy nan; rename your test's accuracy metric", names)
+        return metrics
 
     def summary(self) -> None:
         """Log the privacy configuration."""
@@ -483,9 +510,9 @@ class JointDP(AccountedStrategy):
         if num_rounds is not None and num_rounds != cfg.num_rounds:
             if cfg.dp and cfg.placement is NoisePlacement.LOCAL:
                 raise ConfigError(
-                    f"start(num_rounds={num_rounds}) differs from run-config 'num-rounds'="
+                    f"start(num_rounds={num_rounds}) differs from run-config key '{self._key('num-rounds')}'="
                     f"{cfg.num_rounds}, which every owner uses to check the noise it adds under "
-                    f"local noise: set num-rounds={num_rounds} in the run config")
+                    f"local noise: set {self._key('num-rounds')} = {num_rounds} in the run config")
             if num_rounds < 1:
                 raise ConfigError(f"start(num_rounds={num_rounds}): must be >= 1")
             cfg = self.cfg = dataclasses.replace(cfg, num_rounds=int(num_rounds))
@@ -497,7 +524,8 @@ class JointDP(AccountedStrategy):
         # installed would print every line a second time.
         logging.getLogger("flwr").propagate = False
         arrays = self.setup(grid, timeout=120.0, initial_arrays=initial_arrays)
-        self._ckpt = ckpt = Checkpoint(Path(cfg.results_dir), cfg.to_dict())
+        recorded = dropin_record(cfg) if self.key_prefix else cfg.to_dict()
+        self._ckpt = ckpt = Checkpoint(Path(cfg.results_dir), recorded)
         self.history = []
         start_round = 1
         if cfg.resume and ckpt.resumable():

@@ -36,10 +36,7 @@ mechanism, so the release and the ledger do not depend on the path.
 
 from __future__ import annotations
 
-import importlib
 import logging
-import sys
-import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,26 +60,8 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:  # Opacus is imported on first use: a ClientApp process that only
-    from opacus import GradSampleModule  # evaluates (a fresh process per message) skips ~2.5 s
-
-_preload: threading.Thread | None = None
-
-
-def preload_opacus() -> None:
-    """Start importing Opacus in a background thread, once per process.
-
-    Called where a process will soon need per-sample gradients (the set-up query of
-    a run that uses them): the ~2 s import then overlaps with the wait for the first
-    training message instead of delaying it. The first use blocks until the import
-    is done (Python's per-module import lock), so it sees the same module either
-    way. The thread is not a daemon, so a process that exits first waits for it
-    rather than stopping an import half-way; nothing it does is released."""
-    global _preload
-    if _preload is None and "opacus" not in sys.modules:
-        _preload = threading.Thread(target=importlib.import_module, args=("opacus",),
-                                    name="opacus-preload")
-        _preload.start()
+if TYPE_CHECKING:
+    from opacus import GradSampleModule
 
 
 def _grad_sample_module(model: nn.Module) -> GradSampleModule:

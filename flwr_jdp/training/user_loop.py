@@ -167,7 +167,8 @@ class PrivateModule(nn.Module):
     hooks (``GradSampleModule``) for a model class that path cannot handle, found on
     the first batch (one log line per class) or named by ``FLWR_JDP_PER_SAMPLE``
     (``opacus``; ``func``: no fallback). Its parameters are the model's, named
-    ``_module.<name>`` as Opacus names them."""
+    ``_module.<name>`` as Opacus names them; any other attribute (``net.fc3``,
+    a method of the model) is the model's own."""
 
     def __init__(self, model: nn.Module, loss_reduction: str) -> None:
         super().__init__()
@@ -185,6 +186,14 @@ class PrivateModule(nn.Module):
                 if backend == "func":
                     raise UserLoopError(f"per-sample gradients by torch.func: {err}") from err
                 self._fall_back(err)
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - whatever the model's attribute is
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_module":
+                raise
+            return getattr(self._module, name)
 
     @property
     def path(self) -> str:

@@ -1,4 +1,4 @@
-"""The ServerApp: FedAvg over the nodes."""
+"""The ServerApp: the strategy runs the rounds over the nodes."""
 
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp

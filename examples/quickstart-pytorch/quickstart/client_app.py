@@ -11,14 +11,12 @@ from quickstart.task import train as train_fn
 
 torch.set_num_threads(1)
 app = ClientApp()
+jdp = JointDPClient(app, model_fn=Net, train_data=lambda context: _data(context)[0])
 
 
 def _data(context: Context):
     return load_data(context.node_config["partition-id"], context.node_config["num-partitions"],
                      data_dir=context.run_config["data-dir"], records=context.run_config["num-records"])
-
-
-jdp = JointDPClient(app, model_fn=Net, train_data=lambda context: _data(context)[0])
 
 
 @app.train()

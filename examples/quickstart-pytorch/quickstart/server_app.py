@@ -1,4 +1,4 @@
-"""The ServerApp: joint DP over the nodes (each node's fc3 layer stays on the node)."""
+"""The ServerApp: the strategy runs the rounds over the nodes."""
 
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
