@@ -15,6 +15,7 @@ This module imports nothing of the project, so any module may use it.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -151,10 +152,19 @@ def namespace(run_config: Mapping[str, Any], prefix: str, known: Iterable[str],
         if key.startswith(prefix):
             name = key[len(prefix):]
             if name not in allowed:
-                raise ConfigError(f"unknown run-config key '{key}'; {what} are "
-                                  f"{', '.join(prefix + k for k in allowed)}")
+                raise ConfigError(f"unknown run-config key '{key}'{did_you_mean(name, allowed, prefix)}; "
+                                  f"{what} are {', '.join(prefix + k for k in allowed)}")
             values[name] = value
     return values
+
+
+def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean 'x'?)`` for the known key closest to a misspelt ``name``
+    (difflib's closest, else a key that ends with it), or ``""``."""
+    known = list(known)
+    close = difflib.get_close_matches(name, known, n=1) or [
+        k for k in known if k.endswith((f"-{name}", f"_{name}"))]
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
 #: Run-config keys that do not change what a run computes (left out of

@@ -138,18 +138,34 @@ def test_personal_layers_matching_nothing_or_everything_fail_at_start(example, r
         _start(example, run_config)
 
 
-def test_initial_arrays_of_another_model_are_named_as_such(example, run_config):
-    """A model with other parameter names (the personal-layers rule matches none of
-    them): the error names initial_arrays and their names, not just the rule."""
+def test_initial_arrays_of_another_model_are_named_before_the_rule(example, run_config):
+    """initial_arrays that the personal-layers rule matches none of: if they are not the
+    ClientApp's model (another model; the shared layers only) that is the error named,
+    with the arrays that differ; if they are, the rule is named, with the names."""
+    _, task = example
     other = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    with pytest.raises(ConfigError, match=r"'jdp.personal-layers'.*no parameter of initial_arrays.*'0.weight'"
-                                          r".*must be the ClientApp's model"):
+    with pytest.raises(ConfigError, match=r"initial_arrays has \['0.bias', '0.weight'.*does not have"):
         _start(example, run_config, initial=ArrayRecord(other.state_dict()))
+    shared_only = {k: v for k, v in task.Net().state_dict().items() if not k.startswith("fc3.")}
+    with pytest.raises(ConfigError, match=r"initial_arrays lacks \['fc3.bias', 'fc3.weight'\]"):
+        _start(example, run_config, initial=ArrayRecord(shared_only))
+    run_config["jdp.personal-layers"] = "^head\\."
+    with pytest.raises(ConfigError, match=r"'jdp.personal-layers'.*no parameter of initial_arrays.*'fc3.weight'"):
+        _start(example, run_config)
     assert not (Path(run_config["jdp.results-dir"]) / "ledger.json").exists()
 
 
+def test_a_drop_in_app_must_name_its_personal_layers():
+    with pytest.raises(ConfigError, match=r"'jdp.personal-layers' is not set.*'personal-layers' is set outside"):
+        namespaced_config({"personal-layers": "^fc3\\.", "jdp.target-epsilon": 4.0})
+    with pytest.raises(ConfigError, match=r"'jdp.personal-layers' is not set"):
+        JointDP(target_epsilon=4.0)
+    assert JointDP(personal_layers="^fc3\\.").cfg.personal_layers == "^fc3\\."
+    assert namespaced_config({"jdp.method": "fedavg"}).method == "fedavg"  # shares everything
+
+
 def test_an_accuracy_metric_under_another_name_is_warned_about(caplog):
-    strategy = JointDP(num_rounds=1)
+    strategy = JointDP(num_rounds=1, personal_layers="^fc\\.")
     strategy._requested = {7: [0]}
     InProcessGrid(None, 0, {})  # the task identity Messages are stamped with
     instruction = Message(RecordDict(), dst_node_id=7, message_type=MessageType.EVALUATE)
@@ -169,15 +185,16 @@ def test_an_accuracy_metric_under_another_name_is_warned_about(caplog):
 def test_namespaced_keys_are_checked_and_named():
     with pytest.raises(ConfigError, match="jdp.target-epsilon"):
         namespaced_config({"jdp.target-epsilon": -1.0})
-    with pytest.raises(ConfigError, match="unknown run-config key 'jdp.epsilon'"):
+    with pytest.raises(ConfigError, match="unknown run-config key 'jdp.epsilon' .did you mean 'jdp.target-epsilon'"):
         namespaced_config({"jdp.epsilon": 1.0})
     with pytest.raises(ConfigError, match="'jdp.dataset' is a setting of flwr-jdp's own app"):
         namespaced_config({"jdp.dataset": "fashion-mnist"})  # the user's code loads its own data
     with pytest.raises(ConfigError, match="unknown flwr-jdp setting 'model'"):
         JointDP(model="seed-cnn")
-    cfg = namespaced_config({"learning-rate": 5.0, "jdp.batch-size": 7})  # the app's own keys are ignored
+    cfg = namespaced_config({"learning-rate": 5.0, "jdp.batch-size": 7,  # the app's own keys are ignored
+                             "jdp.personal-layers": "^fc3\\."})
     assert cfg.batch_size == 7 and cfg.learning_rate == 0.1
-    assert JointDP(target_epsilon=2.0).cfg.target_epsilon == 2.0
+    assert JointDP(target_epsilon=2.0, personal_layers="^fc3\\.").cfg.target_epsilon == 2.0
 
 
 # ------------------------------------------------------------ the client half alone

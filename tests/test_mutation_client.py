@@ -608,6 +608,6 @@ def test_the_server_accepts_the_shapes_the_client_reports_also_for_a_scalar():
     setup, _ = _setup(app, ctx)
     rec = setup.content[protocol.SETUP]
     assert "scalar" in list(rec[protocol.PARAM_SHAPES])
-    server = JointDP()
+    server = JointDP(personal_layers=r"^fc\.")
     server.model_spec = spec_of(ArrayRecord(dict(WithScalar().named_parameters())))
     server._check_model(list(rec[protocol.PARAM_NAMES]), list(rec[protocol.PARAM_SHAPES]), 7)

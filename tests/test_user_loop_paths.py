@@ -262,3 +262,50 @@ def test_the_train_function_reaches_the_models_own_attributes(backend, monkeypat
         assert {n for n, _ in private.named_parameters()} == {f"_module.{n}" for n, _ in net.named_parameters()}
         with pytest.raises(AttributeError):
             _ = private.no_such_attribute
+
+
+def _epochs_loop(epochs: int, per_pass: list[int]):
+    def train(model: nn.Module, loader: DataLoader) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(epochs):
+            n = 0
+            for xb, yb in loader:
+                opt.zero_grad()
+                F.cross_entropy(model(xb), yb).backward()
+                opt.step()
+                n += 1
+            per_pass.append(n)
+    return train
+
+
+@pytest.mark.parametrize("loop_epochs,local_epochs,expected,warned", [
+    (3, 3, [2, 2, 2], False),   # the user's epochs = local-epochs: one epoch's steps per pass
+    (3, 1, [6, 0, 0], True),    # the user loops 3 epochs, the owners agreed to 1: said once
+    (1, 3, [2], True),          # fewer passes than epochs: fewer steps than charged, said
+])
+def test_each_pass_over_the_private_loader_is_one_epoch_of_the_schedule(loop_epochs, local_epochs, expected,
+                                                                       warned, caplog, monkeypatch):
+    monkeypatch.setitem(user_loop._WARNED, "epochs", False)
+    net = nn.Linear(3, 2)
+    data = DataLoader(TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,))), batch_size=4)
+    per_pass: list[int] = []
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addHandler(caplog.handler)
+    try:
+        for _ in range(2):  # two rounds: the too-many-epochs warning is given once per process
+            per_pass.clear()
+            with private_training(net, data, unit_of_record=torch.arange(16), num_units=16, sample_rate=0.25,
+                                  steps=6, noise_multiplier=1.0, clipping_norm=1.0, epochs=local_epochs,
+                                  generator=torch.Generator().manual_seed(0)) as (private, loader, _):
+                assert len(loader) == (6 if local_epochs == 1 else 2)
+                _epochs_loop(loop_epochs, per_pass)(private, loader)
+            assert per_pass == expected
+    finally:
+        flwr_logger.removeHandler(caplog.handler)
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if not warned:
+        assert messages == []
+    elif loop_epochs > local_epochs:
+        assert len(messages) == 1 and "local-epochs = 3" in messages[0]
+    else:
+        assert len(messages) == 2 and all("took 2 of the 6 DP-SGD steps" in m for m in messages)

@@ -319,7 +319,8 @@ class JointDPClient:
                                      noise_multiplier=instruction.noise_multiplier,
                                      clipping_norm=cfg.clipping_norm, generator=generator,
                                      secure=cfg.secure_noise, capture=central,
-                                     loss_reduction=self.loss_reduction) as (private, ploader, record):
+                                     loss_reduction=self.loss_reduction,
+                                     epochs=1 if central else cfg.local_epochs) as (private, ploader, record):
                 train_fn(private, ploader)
                 if not central:
                     release = dict(get_arrays(m, split.shared))

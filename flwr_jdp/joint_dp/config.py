@@ -18,6 +18,7 @@ from flwr_jdp.config_check import (  # noqa: F401 - re-exported
     coerce,
     config_digest,
     config_key,
+    did_you_mean,
     key_prefix,
     namespace,
     parse_dataclass,
@@ -332,7 +333,15 @@ def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig
     values.update(namespace(run_config, prefix, known))
     values.update(_overrides(overrides, known))
     with key_prefix(prefix):
-        return parse_config(values)
+        cfg = parse_config(values)
+    if "personal-layers" not in values and cfg.method == "joint-dp":
+        elsewhere = [k for k in run_config if k.endswith("personal-layers")]
+        raise ConfigError(
+            f"run-config key '{prefix}personal-layers' is not set: name the layers that stay on each node "
+            "by a regular expression on your model's parameter names, e.g. personal-layers = \"^fc3\\\\.\" "
+            f"in [tool.flwr.app.config.{NAMESPACE}]"
+            + (f" (a key {elsewhere[0]!r} is set outside that table)" if elsewhere else ""))
+    return cfg
 
 
 def with_settings(cfg: JobConfig, **overrides: Any) -> JobConfig:
@@ -347,7 +356,8 @@ def _overrides(overrides: dict[str, Any], known: set[str]) -> dict[str, Any]:
     for name, value in overrides.items():
         key = _key(name)
         if key not in known:
-            raise ConfigError(f"unknown flwr-jdp setting '{name}'; settings are "
+            hint = did_you_mean(name, [k.replace("-", "_") for k in known])
+            raise ConfigError(f"unknown flwr-jdp setting '{name}'{hint}; settings are "
                               f"{', '.join(sorted(k.replace('-', '_') for k in known))}")
         values[key] = value
     return values

@@ -151,15 +151,13 @@ class JointDP(AccountedStrategy):
     def _split_initial(self, initial: ArrayRecord) -> None:
         """Shared/personal split of the user's ``initial_arrays`` by ``personal-layers``."""
         names = list(initial.keys())
+        values = {n: initial[n].numpy() for n in names}
+        self.model_spec = {n: ArraySpec(tuple(v.shape), str(v.dtype)) for n, v in values.items()}
         try:
             split = split_names(names, self.cfg.effective_personal_rule,
                                 allow_empty=self.cfg.method != "joint-dp", what="initial_arrays")
         except ValueError as err:
-            raise ConfigError(f"run-config key '{self._key('personal-layers')}': {err} (the rule applies to "
-                              "the names of start(initial_arrays=...), which must be the ClientApp's "
-                              "model's parameters)") from None
-        values = {n: initial[n].numpy() for n in names}
-        self.model_spec = {n: ArraySpec(tuple(v.shape), str(v.dtype)) for n, v in values.items()}
+            raise ConfigError(f"run-config key '{self._key('personal-layers')}': {err}") from None
         self.public_initial = {n: values[n] for n in split.personal}
         self.num_personal = int(sum(values[n].size for n in split.personal))
         self.spec = {n: self.model_spec[n] for n in split.shared}
@@ -194,11 +192,17 @@ class JointDP(AccountedStrategy):
                               "model.state_dict())) with the ClientApps' model's parameters")
         deadline = time.time() + timeout
         self._wait_for_nodes(grid, deadline)
-        self._split_initial(initial_arrays)
+        try:
+            self._split_initial(initial_arrays)
+            rule_error = None
+        except ConfigError as err:  # raised once the nodes' models are known: if initial_arrays
+            rule_error = err        # are not the ClientApp's model, that is the error to name
         query = RecordDict({protocol.CONFIG: ConfigRecord(),
                             protocol.PUBLIC_PERSONAL: protocol.to_record(self.public_initial)})
 
         def done() -> bool:
+            if rule_error is not None:  # one node's model tells which error to name
+                return bool(self._answered)
             if self.cfg.num_owners == 0:  # every node that is connected
                 return bool(self._answered) and set(grid.get_node_ids()) <= self._answered
             return set(range(self.cfg.num_owners)) <= set(self.owner_node)
@@ -206,6 +210,8 @@ class JointDP(AccountedStrategy):
         answered, silent = query_nodes(
             grid, lambda n: Message(query, dst_node_id=n, message_type=MessageType.QUERY),
             self._register_node, done, deadline)
+        if rule_error is not None:
+            raise rule_error
         wanted = range(self.cfg.num_owners) if self.cfg.num_owners else sorted(self.owner_node)
         missing = sorted(set(wanted) - set(self.owner_node))
         if not self.owner_node:
@@ -512,7 +518,8 @@ class JointDP(AccountedStrategy):
                 raise ConfigError(
                     f"start(num_rounds={num_rounds}) differs from run-config key '{self._key('num-rounds')}'="
                     f"{cfg.num_rounds}, which every owner uses to check the noise it adds under "
-                    f"local noise: set {self._key('num-rounds')} = {num_rounds} in the run config")
+                    f"local noise: set {self._key('num-rounds')} = {num_rounds} in the run config, or pass "
+                    f"num_rounds=context.run_config[\"{self._key('num-rounds')}\"]")
             if num_rounds < 1:
                 raise ConfigError(f"start(num_rounds={num_rounds}): must be >= 1")
             cfg = self.cfg = dataclasses.replace(cfg, num_rounds=int(num_rounds))

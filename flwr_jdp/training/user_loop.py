@@ -33,6 +33,7 @@ accounting is then conservative) and logged once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,28 +55,38 @@ class UserLoopError(RuntimeError):
 
 
 class PoissonBatches:
-    """Batch sampler: ``steps`` Poisson samples of units at ``rate`` in total, over
-    however many passes are made (a later pass yields what is left)."""
+    """Batch sampler: ``steps`` Poisson samples of units at ``rate`` in total, an
+    ``epochs``-th of them (rounded up) per pass over the loader, so a train function
+    that loops ``epochs`` epochs takes them all; a pass after the last step yields
+    nothing (counted in ``empty_passes``)."""
 
     def __init__(self, unit_of_record: torch.Tensor, num_units: int, rate: float, steps: int,
-                 generator: torch.Generator, secure: bool) -> None:
+                 generator: torch.Generator, secure: bool, epochs: int = 1) -> None:
         self.unit_of_record = unit_of_record
         self.num_units = num_units
         self.rate = float(rate)
         self.steps = int(steps)
+        self.per_pass = max(1, math.ceil(self.steps / max(1, int(epochs))))
         self.generator = generator
         self.secure = secure
         self.drawn = 0
+        self.passes = 0
+        self.empty_passes = 0
         self.current: UnitBatch | None = None
 
     def __len__(self) -> int:
-        return self.steps
+        return min(self.per_pass, max(self.steps - self.drawn, 0)) or self.per_pass
 
     def __iter__(self) -> Iterator[list[int]]:
-        while self.drawn < self.steps:
+        self.passes += 1
+        if self.drawn >= self.steps:
+            self.empty_passes += 1
+        quota = self.per_pass
+        while self.drawn < self.steps and quota > 0:
             self.current = _draw_batch(self.unit_of_record, self.num_units, self.rate,
                                        self.generator, self.secure)
             self.drawn += 1
+            quota -= 1
             yield self.current.records.tolist()
 
 
@@ -158,6 +169,10 @@ class _DPStep:
             p.grad = g.to(p.dtype)
             p.grad_sample = None
         self.steps_taken += 1
+
+
+#: Warnings given once per process.
+_WARNED = {"epochs": False}
 
 
 class PrivateModule(nn.Module):
@@ -271,17 +286,19 @@ def private_training(
     secure: bool = False,
     capture: bool = False,
     loss_reduction: str = "mean",
+    epochs: int = 1,
 ) -> Iterator[tuple[nn.Module, PoissonLoader, PrivateRound]]:
     """Yield ``(private model, private loader, record)`` for the user's train function.
 
     The trainable parameters of ``model`` (``requires_grad``) are the ones made
-    private; freeze the others before. With ``capture`` (central noise) no noise is
-    added and no parameter moves: the clipped sum of the batches is kept in the
-    record (use ``steps=1``)."""
+    private; freeze the others before. Each pass over the private loader yields an
+    ``epochs``-th of the ``steps`` (the run's ``local-epochs``). With ``capture``
+    (central noise) no noise is added and no parameter moves: the clipped sum of the
+    batches is kept in the record (use ``steps=1``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise UserLoopError("no trainable parameter to train privately")
-    sampler = PoissonBatches(unit_of_record, num_units, sample_rate, steps, generator, secure)
+    sampler = PoissonBatches(unit_of_record, num_units, sample_rate, steps, generator, secure, epochs)
     private_loader = PoissonLoader(loader.dataset, sampler, loader.collate_fn)
     expected = max(sample_rate * num_units, 1e-12)
     mech = None if capture else GaussianSumMechanism(noise_multiplier, clipping_norm, expected,
@@ -299,4 +316,12 @@ def private_training(
     record.clipped_sum = hook.captured
     if hook.steps_taken < steps:
         log(WARNING, "the train function took %d of the %d DP-SGD steps charged for this round "
-            "(charged in full: the accounting is conservative)", hook.steps_taken, steps)
+            "(charged in full: the accounting is conservative); it made %d pass(es) over the private "
+            "loader, which spreads the steps over local-epochs = %d passes", hook.steps_taken, steps,
+            sampler.passes, epochs)
+    elif sampler.empty_passes and not capture and not _WARNED["epochs"]:
+        _WARNED["epochs"] = True
+        log(WARNING, "the train function made %d passes over the private loader, but the owners' "
+            "schedule has the DP steps of local-epochs = %d epoch(s), all taken by then: the later "
+            "passes got no batch; set flwr-jdp's local-epochs = %d to train the shared layers as many "
+            "epochs as your loop (it is charged accordingly)", sampler.passes, epochs, sampler.passes)
