@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -34,12 +35,17 @@ class InProcessGrid(Grid):
         used to inject malformed replies and failures.
     node_config : dict, optional
         Extra node-config entries of every node (e.g. ``state-dir``).
+    errors_as_replies : bool
+        As Flower's SuperNode does: an exception the ClientApp raises becomes an
+        error reply naming it (default: it propagates, so a test sees its traceback).
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict[str, Any],
-                 fault: Fault | None = None, node_config: dict[str, Any] | None = None) -> None:
+                 fault: Fault | None = None, node_config: dict[str, Any] | None = None,
+                 errors_as_replies: bool = False) -> None:
         self.client_app = client_app
         self.fault = fault
+        self.errors_as_replies = errors_as_replies
         self.sent: list[Message] = []  # every reply a ClientApp produced
         self.contexts = {
             1000 + i: Context(run_id=1, node_id=1000 + i,
@@ -77,7 +83,13 @@ class InProcessGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         replies = []
         for msg in messages:
-            reply = self.client_app(msg, self.contexts[msg.metadata.dst_node_id])
+            try:
+                reply = self.client_app(msg, self.contexts[msg.metadata.dst_node_id])
+            except Exception as err:
+                if not self.errors_as_replies:
+                    raise
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                      reason=f"{type(err).__name__}:{err}"), reply_to=msg)
             self.sent.append(reply)
             if self.fault is not None:
                 reply = self.fault(msg, reply)

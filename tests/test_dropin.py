@@ -156,12 +156,38 @@ def test_initial_arrays_of_another_model_are_named_before_the_rule(example, run_
 
 
 def test_a_drop_in_app_must_name_its_personal_layers():
-    with pytest.raises(ConfigError, match=r"'jdp.personal-layers' is not set.*'personal-layers' is set outside"):
+    with pytest.raises(ConfigError, match=r"'personal-layers' is set outside the \[tool.flwr.app.config.jdp\]"):
         namespaced_config({"personal-layers": "^fc3\\.", "jdp.target-epsilon": 4.0})
     with pytest.raises(ConfigError, match=r"'jdp.personal-layers' is not set"):
         JointDP(target_epsilon=4.0)
     assert JointDP(personal_layers="^fc3\\.").cfg.personal_layers == "^fc3\\."
     assert namespaced_config({"jdp.method": "fedavg"}).method == "fedavg"  # shares everything
+
+
+def test_a_privacy_setting_outside_the_jdp_table_is_refused_not_ignored():
+    """target-epsilon = 2 written in the app's own table would leave the default 8 in
+    force without a word: refused, naming the key and the table it belongs in."""
+    with pytest.raises(ConfigError, match=r"'clipping-norm' is set outside .*reads 'jdp.clipping-norm'.*"
+                                          r"also 'target-epsilon'"):
+        namespaced_config({"target-epsilon": 2.0, "clipping-norm": 0.5, "jdp.personal-layers": "^fc3\\."})
+    both = namespaced_config({"target-epsilon": 2.0, "jdp.target-epsilon": 2.0, "jdp.personal-layers": "^fc3\\."})
+    assert both.target_epsilon == 2.0  # the app's own key of that name, beside flwr-jdp's: fine
+    assert namespaced_config({"learning-rate": 9.0, "local-epochs": 4,  # the app's own keys
+                              "jdp.personal-layers": "^fc3\\."}).local_epochs == 1
+
+
+def test_model_fn_gets_the_context_only_when_it_needs_an_argument():
+    class Net(nn.Module):
+        def __init__(self, hidden: int = 4) -> None:
+            super().__init__()
+            self.fc = nn.Linear(hidden, 2)
+
+    app = ClientApp()
+    client = JointDPClient(app, model_fn=Net, train_data=lambda ctx: None)
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=None, run_config={"hidden": 3})  # type: ignore[arg-type]
+    assert client._model(ctx).fc.in_features == 4
+    client.model_fn = lambda context: Net(context.run_config["hidden"])
+    assert client._model(ctx).fc.in_features == 3
 
 
 def test_an_accuracy_metric_under_another_name_is_warned_about(caplog):
@@ -390,3 +416,20 @@ def test_user_unit_reports_users_and_samples_whole_users():
     reply = jdp.train(train, ctx, Tiny(), loader, fn)
     assert reply.has_content(), reply.error.reason
     assert all(n % 4 == 0 for n in batches[5:])  # the private batches: whole users only
+
+
+def test_a_clientapp_without_the_client_half_is_named_at_set_up(example, run_config):
+    """Only the ServerApp converted: the nodes cannot answer the set-up; the error says
+    what to add, before any privacy is spent."""
+    _, task = example
+    plain = ClientApp()
+
+    @plain.train()
+    def train(msg, context):  # noqa: ANN001, ANN202 - the app's unconverted handler
+        raise AssertionError("never reached")
+
+    grid = InProcessGrid(plain, 2, run_config, errors_as_replies=True)  # as a SuperNode answers
+    strategy = JointDP.from_run_config(run_config, node_settle_s=0.0)
+    with pytest.raises(RuntimeError, match=r"failed at set-up: .*create JointDPClient\(app"):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(task.Net().state_dict()), num_rounds=2)
+    assert not (Path(run_config["jdp.results-dir"]) / "ledger.json").exists()

@@ -112,7 +112,8 @@ class JointDPClient:
     model_fn : callable
         ``() -> nn.Module``, the user's model class (its parameter names and shapes
         are reported at set-up, so the server checks its ``initial_arrays`` before
-        any privacy is spent).
+        any privacy is spent); ``(context) -> nn.Module`` if it has a required
+        positional parameter (a model built from the run config).
     train_data : callable
         ``(context) -> DataLoader``, the owner's training loader; its data set's size
         is reported at set-up (public metadata, as in every DP-SGD deployment).
@@ -194,8 +195,12 @@ class JointDPClient:
 
     # ------------------------------------------------------------------- model
     def _model(self, context: Context) -> nn.Module:
+        """``model_fn(context)`` if it has a required positional parameter, else
+        ``model_fn()`` (a model class whose arguments all have defaults)."""
         try:
-            takes_context = len(inspect.signature(self.model_fn).parameters) > 0
+            takes_context = any(p.default is inspect.Parameter.empty and p.kind in (
+                inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                for p in inspect.signature(self.model_fn).parameters.values())
         except (TypeError, ValueError):  # a builtin or C callable: called without arguments
             takes_context = False
         return self.model_fn(context) if takes_context else self.model_fn()

@@ -318,6 +318,14 @@ OWN_APP_KEYS = ("dataset", "data-dir", "max-records", "classes-per-owner", "part
                 "finetune-learning-rate", "release-personal")
 
 
+#: flwr-jdp keys no app is likely to use for itself: one of them outside the ``jdp``
+#: table (and not in it) is a setting put in the wrong place, which would silently
+#: leave the default (``target-epsilon = 8``) in force, so it is refused.
+PRIVACY_KEYS = ("personal-layers", "target-epsilon", "delta", "noise-multiplier", "clipping-norm",
+                "privacy-unit", "noise-placement", "accountant", "neighbouring", "records-per-user",
+                "user-batch-size", "secure-noise", "noise-seed", "max-skipped-rounds", "min-valid-fraction")
+
+
 def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig:
     """A :class:`JobConfig` from the ``jdp.*`` keys of a user's run config (other
     keys are the app's own and ignored), then keyword ``overrides`` (Python names,
@@ -332,15 +340,19 @@ def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig
     values = dict(DROPIN_DEFAULTS)
     values.update(namespace(run_config, prefix, known))
     values.update(_overrides(overrides, known))
+    misplaced = sorted(k for k in run_config if k in PRIVACY_KEYS and f"{prefix}{k}" not in run_config)
+    if misplaced:
+        raise ConfigError(
+            f"run-config key '{misplaced[0]}' is set outside the [tool.flwr.app.config.{NAMESPACE}] table, "
+            f"where flwr-jdp does not read it (it reads '{prefix}{misplaced[0]}'): move it into that table"
+            + (f" (also {', '.join(repr(k) for k in misplaced[1:])})" if misplaced[1:] else ""))
     with key_prefix(prefix):
         cfg = parse_config(values)
     if "personal-layers" not in values and cfg.method == "joint-dp":
-        elsewhere = [k for k in run_config if k.endswith("personal-layers")]
         raise ConfigError(
             f"run-config key '{prefix}personal-layers' is not set: name the layers that stay on each node "
             "by a regular expression on your model's parameter names, e.g. personal-layers = \"^fc3\\\\.\" "
-            f"in [tool.flwr.app.config.{NAMESPACE}]"
-            + (f" (a key {elsewhere[0]!r} is set outside that table)" if elsewhere else ""))
+            f"in [tool.flwr.app.config.{NAMESPACE}]")
     return cfg
 
 

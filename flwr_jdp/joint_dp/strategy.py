@@ -262,8 +262,11 @@ class JointDP(AccountedStrategy):
     def _register_node(self, reply: Message) -> None:
         """Record the owners a node hosts after checking its model."""
         if reply.has_error():
+            hint = (": its ClientApp has no flwr-jdp client half; create JointDPClient(app, model_fn=..., "
+                    "train_data=...) in the ClientApp (README, 'Use it in your own Flower app')"
+                    if "No query function registered" in reply.error.reason else "")
             raise RuntimeError(
-                f"node {reply.metadata.src_node_id} failed at set-up: {reply.error.reason}"
+                f"node {reply.metadata.src_node_id} failed at set-up: {reply.error.reason}{hint}"
             )
         self._answered.add(reply.metadata.src_node_id)
         rec = reply.content[protocol.SETUP]
