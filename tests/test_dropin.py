@@ -171,7 +171,9 @@ def test_a_privacy_setting_outside_the_jdp_table_is_refused_not_ignored():
                                           r"also 'target-epsilon'"):
         namespaced_config({"target-epsilon": 2.0, "clipping-norm": 0.5, "jdp.personal-layers": "^fc3\\."})
     both = namespaced_config({"target-epsilon": 2.0, "jdp.target-epsilon": 2.0, "jdp.personal-layers": "^fc3\\."})
-    assert both.target_epsilon == 2.0  # the app's own key of that name, beside flwr-jdp's: fine
+    assert both.target_epsilon == 2.0  # the app's own key of that name, with flwr-jdp's value: fine
+    with pytest.raises(ConfigError, match=r"'target-epsilon'=2.0 and 'jdp.target-epsilon'=8.0 differ"):
+        namespaced_config({"target-epsilon": 2.0, "jdp.target-epsilon": 8.0, "jdp.personal-layers": "^fc3\\."})
     assert namespaced_config({"learning-rate": 9.0, "local-epochs": 4,  # the app's own keys
                               "jdp.personal-layers": "^fc3\\."}).local_epochs == 1
 

@@ -319,8 +319,9 @@ OWN_APP_KEYS = ("dataset", "data-dir", "max-records", "classes-per-owner", "part
 
 
 #: flwr-jdp keys no app is likely to use for itself: one of them outside the ``jdp``
-#: table (and not in it) is a setting put in the wrong place, which would silently
-#: leave the default (``target-epsilon = 8``) in force, so it is refused.
+#: table (and not in it, or in it with another value) is a setting put in the wrong
+#: place, which would silently leave another value (the default ``target-epsilon =
+#: 8``) in force, so it is refused.
 PRIVACY_KEYS = ("personal-layers", "target-epsilon", "delta", "noise-multiplier", "clipping-norm",
                 "privacy-unit", "noise-placement", "accountant", "neighbouring", "records-per-user",
                 "user-batch-size", "secure-noise", "noise-seed", "max-skipped-rounds", "min-valid-fraction")
@@ -340,6 +341,12 @@ def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig
     values = dict(DROPIN_DEFAULTS)
     values.update(namespace(run_config, prefix, known))
     values.update(_overrides(overrides, known))
+    differing = sorted(k for k in run_config if k in PRIVACY_KEYS and f"{prefix}{k}" in run_config
+                       and run_config[k] != run_config[f"{prefix}{k}"])
+    if differing:
+        k = differing[0]
+        raise ConfigError(f"run-config keys '{k}'={run_config[k]!r} and '{prefix}{k}'={run_config[prefix + k]!r} "
+                          f"differ: flwr-jdp reads only '{prefix}{k}'; remove '{k}' or give it the same value")
     misplaced = sorted(k for k in run_config if k in PRIVACY_KEYS and f"{prefix}{k}" not in run_config)
     if misplaced:
         raise ConfigError(
