@@ -167,6 +167,35 @@ def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
+#: flwr-jdp keys no app is likely to use for itself: one of them outside the ``jdp``
+#: table (and not in it, or in it with another value) is a setting put in the wrong
+#: place, which would silently leave another value (the default ``target-epsilon =
+#: 8``) in force, so it is refused.
+PRIVACY_KEYS = ("personal-layers", "target-epsilon", "delta", "noise-multiplier", "clipping-norm",
+                "privacy-unit", "noise-placement", "accountant", "neighbouring", "records-per-user",
+                "user-batch-size", "secure-noise", "noise-seed", "max-skipped-rounds", "min-valid-fraction")
+
+
+def refuse_misplaced(run_config: Mapping[str, Any], prefix: str, keys: Iterable[str]) -> None:
+    """A :class:`ConfigError` if one of ``keys`` (privacy settings no app is likely
+    to use for itself) is in ``run_config`` outside the ``prefix`` table: absent from
+    the table, or in it with another value. Either would silently leave another value
+    (a default budget) in force."""
+    keys = set(keys)
+    for k in sorted(k for k in run_config if k in keys):
+        inside = f"{prefix}{k}"
+        if inside in run_config and run_config[inside] != run_config[k]:
+            raise ConfigError(f"run-config keys '{k}'={run_config[k]!r} and '{inside}'={run_config[inside]!r} "
+                              f"differ: flwr-jdp reads only '{inside}'; remove '{k}' or give it the same value")
+    misplaced = sorted(k for k in run_config if k in keys and f"{prefix}{k}" not in run_config)
+    if misplaced:
+        table = prefix.rstrip(".")
+        raise ConfigError(
+            f"run-config key '{misplaced[0]}' is set outside the [tool.flwr.app.config.{table}] table, "
+            f"where flwr-jdp does not read it (it reads '{prefix}{misplaced[0]}'): move it into that table"
+            + (f" (also {', '.join(repr(k) for k in misplaced[1:])})" if misplaced[1:] else ""))
+
+
 #: Run-config keys that do not change what a run computes (left out of
 #: :func:`config_digest`): ``resume`` only says whether to continue a checkpoint.
 IGNORED_KEYS = ("resume",)

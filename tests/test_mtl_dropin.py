@@ -287,3 +287,12 @@ def test_an_empty_training_set_is_named_at_set_up():
     reply = app(Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=7,
                         message_type=MessageType.QUERY), ctx)
     assert reply.has_error() and "task 0: the training data set is empty" in reply.error.reason
+
+
+def test_a_privacy_key_outside_the_jdp_table_is_refused_not_ignored():
+    from flwr_jdp.mtl.config import namespaced_mtl_config
+
+    with pytest.raises(ConfigError, match=r"'target-epsilon' is set outside .*reads 'jdp.target-epsilon'"):
+        namespaced_mtl_config({"target-epsilon": 1.0})
+    with pytest.raises(ConfigError, match=r"'radius'=5.0 and 'jdp.radius'=1.0 differ"):
+        namespaced_mtl_config({"radius": 5.0, "jdp.radius": 1.0})

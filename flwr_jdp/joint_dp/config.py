@@ -14,6 +14,7 @@ from typing import Any
 
 from flwr_jdp.config_check import (  # noqa: F401 - re-exported
     IGNORED_KEYS,
+    PRIVACY_KEYS,
     ConfigError,
     coerce,
     config_digest,
@@ -22,6 +23,7 @@ from flwr_jdp.config_check import (  # noqa: F401 - re-exported
     key_prefix,
     namespace,
     parse_dataclass,
+    refuse_misplaced,
     run_folder,
 )
 from flwr_jdp.config_check import need as require
@@ -318,15 +320,6 @@ OWN_APP_KEYS = ("dataset", "data-dir", "max-records", "classes-per-owner", "part
                 "finetune-learning-rate", "release-personal")
 
 
-#: flwr-jdp keys no app is likely to use for itself: one of them outside the ``jdp``
-#: table (and not in it, or in it with another value) is a setting put in the wrong
-#: place, which would silently leave another value (the default ``target-epsilon =
-#: 8``) in force, so it is refused.
-PRIVACY_KEYS = ("personal-layers", "target-epsilon", "delta", "noise-multiplier", "clipping-norm",
-                "privacy-unit", "noise-placement", "accountant", "neighbouring", "records-per-user",
-                "user-batch-size", "secure-noise", "noise-seed", "max-skipped-rounds", "min-valid-fraction")
-
-
 def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig:
     """A :class:`JobConfig` from the ``jdp.*`` keys of a user's run config (other
     keys are the app's own and ignored), then keyword ``overrides`` (Python names,
@@ -341,18 +334,7 @@ def namespaced_config(run_config: dict[str, Any], **overrides: Any) -> JobConfig
     values = dict(DROPIN_DEFAULTS)
     values.update(namespace(run_config, prefix, known))
     values.update(_overrides(overrides, known))
-    differing = sorted(k for k in run_config if k in PRIVACY_KEYS and f"{prefix}{k}" in run_config
-                       and run_config[k] != run_config[f"{prefix}{k}"])
-    if differing:
-        k = differing[0]
-        raise ConfigError(f"run-config keys '{k}'={run_config[k]!r} and '{prefix}{k}'={run_config[prefix + k]!r} "
-                          f"differ: flwr-jdp reads only '{prefix}{k}'; remove '{k}' or give it the same value")
-    misplaced = sorted(k for k in run_config if k in PRIVACY_KEYS and f"{prefix}{k}" not in run_config)
-    if misplaced:
-        raise ConfigError(
-            f"run-config key '{misplaced[0]}' is set outside the [tool.flwr.app.config.{NAMESPACE}] table, "
-            f"where flwr-jdp does not read it (it reads '{prefix}{misplaced[0]}'): move it into that table"
-            + (f" (also {', '.join(repr(k) for k in misplaced[1:])})" if misplaced[1:] else ""))
+    refuse_misplaced(run_config, prefix, PRIVACY_KEYS)
     with key_prefix(prefix):
         cfg = parse_config(values)
     if "personal-layers" not in values and cfg.method == "joint-dp":

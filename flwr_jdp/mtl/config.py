@@ -30,7 +30,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from flwr_jdp.config_check import ConfigError, coerce, namespace, need, parse_dataclass
+from flwr_jdp.config_check import (
+    PRIVACY_KEYS,
+    ConfigError,
+    coerce,
+    namespace,
+    need,
+    parse_dataclass,
+    refuse_misplaced,
+)
 from flwr_jdp.models.linear import LinearModel
 
 from .algorithm import MTLConfig
@@ -134,6 +142,7 @@ def namespaced_mtl_config(run_config: dict[str, Any]) -> tuple[int, MTLConfig, d
             raise ConfigError(f"run-config key '{key}' is a key of the numpy DP-MTL app (examples/mtl); "
                               "with MTLClient the ClientApp's own data loaders and train function define "
                               "the tasks, their local steps and learning rate")
+    refuse_misplaced(run_config, prefix, set(dropin_keys()) & ({*PRIVACY_KEYS, "radius"}))
     values = namespace(run_config, prefix, dropin_keys(), "the DP-MTL keys")
     extras = {k: coerce(prefix + k, values.get(k, v), v) for k, v in DROPIN_EXTRAS.items()}
     need(extras["num-tasks"] == 0 or extras["num-tasks"] >= 2, f"{prefix}num-tasks",
