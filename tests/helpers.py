@@ -15,6 +15,21 @@ from flwr_jdp.joint_dp.server_app import initial_arrays
 from flwr_jdp.strategies import JointDP
 
 
+def own_app_owner(run_config: dict, owner: int, num_partitions: int):
+    """The project's own app as one owner's node sees it at set-up: ``(context, job
+    config, the server's initial arrays, the shared/personal split)``."""
+    from flwr.app import Context, RecordDict
+
+    from flwr_jdp.joint_dp.task import initial_model, node_job_config
+    from flwr_jdp.params import split_parameters
+
+    ctx = Context(run_id=1, node_id=1000 + owner,
+                  node_config={"partition-id": owner, "num-partitions": num_partitions},
+                  state=RecordDict(), run_config=dict(run_config))
+    cfg = node_job_config(ctx)
+    return ctx, cfg, initial_arrays(cfg), split_parameters(initial_model(cfg), cfg.effective_personal_rule)
+
+
 def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None, node_config=None):
     """Return (strategy, grid, result) after a full run."""
     cfg = parse_config(run_config)

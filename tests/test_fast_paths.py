@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import client_app, protocol
@@ -30,6 +30,7 @@ from flwr_jdp.models.pooling import MaxPool2x2
 from flwr_jdp.params import get_arrays, set_arrays, split_parameters
 from flwr_jdp.training import train_plain
 from flwr_jdp.training.user_loop import private_training
+from tests.helpers import own_app_owner
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 28, 28), (2, 8, 14, 14), (2, 3, 7, 7), (1, 2, 5, 6)])
@@ -177,11 +178,7 @@ def test_frozen_personal_layers_change_no_released_number(unit, monkeypatch):
 def _owner_node(run_config, owner):
     """The own app's set-up for ``owner`` (as the server sends it); returns the
     context, the public personal values and the shared broadcast."""
-    ctx = Context(run_id=1, node_id=1000 + owner, node_config={"partition-id": owner, "num-partitions": 4},
-                  state=RecordDict(), run_config=dict(run_config))
-    cfg = node_job_config(ctx)
-    rec = initial_arrays(cfg)
-    split = split_parameters(initial_model(cfg), cfg.effective_personal_rule)
+    ctx, cfg, rec, split = own_app_owner(run_config, owner, 4)
     public = {n: rec[n].numpy() for n in split.personal}
     shared = {n: rec[n].numpy() for n in split.shared}
     InProcessGrid(client_app.app, 1, ctx.run_config)  # stamps message identities

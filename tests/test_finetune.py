@@ -6,7 +6,7 @@ is that of a run without it."""
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import client_app, protocol
@@ -18,14 +18,12 @@ from flwr_jdp.joint_dp.owner_store import (
     shared_digest,
     trained_rounds,
 )
-from flwr_jdp.joint_dp.server_app import initial_arrays
-from flwr_jdp.joint_dp.task import initial_model, node_job_config, owner_data
-from flwr_jdp.params import split_parameters
+from flwr_jdp.joint_dp.task import initial_model, owner_data
 from flwr_jdp.strategies import load_results
 from flwr_jdp.training import evaluate
 from research.reproduce_joint_dp import comparable
 
-from .helpers import run_inprocess
+from .helpers import own_app_owner, run_inprocess
 
 
 @pytest.mark.parametrize("key,value,allowed", [
@@ -58,11 +56,7 @@ def _evaluate(monkeypatch, rc, server_round, owner=0):
     state (not the public values) already fitted on the broadcast. Returns the
     reply, the model the handler tested (a copy), the owner's own model (broadcast
     plus personal state), the owner's state before and after, and its data."""
-    ctx = Context(run_id=1, node_id=1000 + owner, node_config={"partition-id": owner, "num-partitions": 2},
-                  state=RecordDict(), run_config=dict(rc))
-    cfg = node_job_config(ctx)
-    rec = initial_arrays(cfg)
-    split = split_parameters(initial_model(cfg), cfg.effective_personal_rule)
+    ctx, cfg, rec, split = own_app_owner(rc, owner, 2)
     shared = {n: rec[n].numpy() for n in split.shared}
     personal = {n: rec[n].numpy() + np.float32(0.01) for n in split.personal}
     save_personal_arrays(ctx, owner, personal, "s1", fit_on=shared_digest(shared))  # one trained round

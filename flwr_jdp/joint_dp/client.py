@@ -158,7 +158,8 @@ class JointDPClient:
         if cfg.unit is not PrivacyUnit.USER:
             return torch.arange(num_records), num_records
         if self.user_ids is None:
-            raise ConfigError("run-config key 'jdp.privacy-unit'='user' needs JointDPClient(user_ids=...)")
+            raise ConfigError(f"run-config key '{self._key_prefix}privacy-unit'='user' needs "
+                              "JointDPClient(user_ids=...)")
         ids = np.asarray(list(self.user_ids(context)))
         if len(ids) != num_records:
             raise ConfigError(f"user_ids gave {len(ids)} ids for {num_records} training records")

@@ -75,6 +75,8 @@ class PoissonBatches:
         self.current: UnitBatch | None = None
 
     def __len__(self) -> int:
+        # The batches the next pass yields; once all are taken, a full pass's count
+        # (a train loop that divides by len(loader) must not divide by zero).
         return min(self.per_pass, max(self.steps - self.drawn, 0)) or self.per_pass
 
     def __iter__(self) -> Iterator[list[int]]:
