@@ -15,11 +15,14 @@ from :mod:`flwr_jdp.strategies` and the client halves from :mod:`flwr_jdp.client
 __version__ = "0.1.0"
 
 
-def _import_opacus_quietly() -> None:
+
+def import_opacus_quietly() -> None:
     """Import Opacus without the root-logger handler its import installs
     (``logging.basicConfig`` in ``opacus.utils.module_utils``): with it, every DEBUG
     line of Flower's logger (which propagates) would be printed. A root handler the
-    application configured itself is kept."""
+    application configured itself is kept. Called before each of the package's
+    Opacus imports (Opacus is imported on first use: a process that never needs it,
+    such as a ServerApp, skips its import time)."""
     import logging
     import sys
 
@@ -32,6 +35,3 @@ def _import_opacus_quietly() -> None:
     for handler in list(root.handlers):
         if handler not in before:
             root.removeHandler(handler)
-
-
-_import_opacus_quietly()

@@ -4,6 +4,8 @@ only, the exact clipped release, the noise the owner adds), the personal state
 loaded back each round and the refusals. A tiny model on a tiny loader, no Flower
 run."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -611,3 +613,31 @@ def test_the_server_accepts_the_shapes_the_client_reports_also_for_a_scalar():
     server = JointDP(personal_layers=r"^fc\.")
     server.model_spec = spec_of(ArrayRecord(dict(WithScalar().named_parameters())))
     server._check_model(list(rec[protocol.PARAM_NAMES]), list(rec[protocol.PARAM_SHAPES]), 7)
+
+
+def test_set_up_refuses_a_batchnorm_model_and_names_a_model_fn_it_cannot_call():
+    """Both fail at set-up, before any owner ledger is charged."""
+    class WithBN(Wide):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+
+    class NeedsClasses(Wide):
+        def __init__(self, num_classes: int) -> None:  # a required argument that is not the Context
+            super().__init__()
+            self.head = nn.Linear(64, num_classes)
+
+    for model_fn, match in ((WithBN, "buffers .*BatchNorm"), (NeedsClasses, "model_fn could not build the model")):
+        app = ClientApp()
+        JointDPClient(app, model_fn=model_fn, train_data=lambda ctx: _loader())
+        ctx = _node({})[2]
+        reply, _ = _setup(app, ctx)
+        assert reply.has_error() and re.search(match, reply.error.reason), reply.error.reason
+
+
+def test_a_train_instruction_not_addressed_to_this_owner_is_refused_not_raised():
+    app, jdp, ctx, loader = _node({})
+    _setup(app, ctx)
+    instruction = _instruction(ctx, _arrays(_net(), "body."), 1.0, 0.5, 2, owner=5)  # not this node's owner 0
+    reply = jdp.train(instruction, ctx, _net(), loader, _sgd())
+    assert reply.has_error() and "not addressed to owners [0]" in reply.error.reason

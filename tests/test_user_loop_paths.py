@@ -309,3 +309,51 @@ def test_each_pass_over_the_private_loader_is_one_epoch_of_the_schedule(loop_epo
         assert len(messages) == 1 and "local-epochs = 3" in messages[0]
     else:
         assert len(messages) == 2 and all("took 2 of the 6 DP-SGD steps" in m for m in messages)
+
+
+@pytest.mark.parametrize("backend", ["func", "opacus"])
+def test_a_train_function_that_unfreezes_or_steps_twice_on_one_batch_is_refused(backend, monkeypatch):
+    """Parameters outside the release (frozen personal layers) that the train function
+    unfreezes never move: the torch.func path gives them no gradient, and a gradient
+    Opacus's hooks let through is refused; a batch drawn but not stepped on (which
+    would let the next batch take two steps) is refused on both paths."""
+    monkeypatch.setattr(per_sample, "BACKEND", backend)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    net[1].requires_grad_(False)  # the "personal" layer, held at its public values
+    before = [p.detach().clone() for p in net[1].parameters()]
+    data = DataLoader(TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,))), batch_size=4)
+
+    def unfreezing(model, loader):
+        model.requires_grad_(True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for xb, yb in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+
+    def peeking(model, loader):
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        it = iter(loader)
+        next(it)  # drawn, never stepped on
+        xb, yb = next(it)
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+
+    def run(fn):
+        with private_training(net, data, unit_of_record=torch.arange(16), num_units=16, sample_rate=0.5,
+                              steps=4, noise_multiplier=1.0, clipping_norm=1.0,
+                              generator=torch.Generator().manual_seed(0)) as (private, loader, _):
+            fn(private, loader)
+
+    if backend == "opacus":
+        with pytest.raises(UserLoopError, match="outside the private release"):
+            run(unfreezing)
+    else:
+        run(unfreezing)
+    assert all(torch.equal(a, b) for a, b in zip(before, net[1].parameters(), strict=True))
+    net.requires_grad_(True)
+    net[1].requires_grad_(False)
+    with pytest.raises(UserLoopError, match="one step per batch"):
+        run(peeking)

@@ -179,7 +179,13 @@ class JointDPClient:
         try:
             cfg = self.config(context)
             size = self._size(cfg, context, self.train_data(context))
-            names, shapes = _spec_of(self._model(context))
+            try:
+                model = self._model(context)
+            except TypeError as err:
+                raise ConfigError(f"model_fn could not build the model ({err}): pass a callable taking no "
+                                  "argument, or the Context (e.g. lambda: Net(num_classes=10))") from None
+            self._check_buffers(cfg, model)
+            names, shapes = _spec_of(model)
         except (ConfigError, UserLoopError, ValueError) as err:
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
         public = msg.content.get(protocol.PUBLIC_PERSONAL)
@@ -205,6 +211,13 @@ class JointDPClient:
         except (TypeError, ValueError):  # a builtin or C callable: called without arguments
             takes_context = False
         return self.model_fn(context) if takes_context else self.model_fn()
+
+    @staticmethod
+    def _check_buffers(cfg: JobConfig, model: nn.Module) -> None:
+        buffers = [n for n, _ in model.named_buffers()]
+        if buffers and cfg.dp and cfg.unit is not PrivacyUnit.OWNER:
+            raise UserLoopError(f"the model has buffers {buffers[:3]} (BatchNorm statistics?), which "
+                                "depend on the data without noise; use GroupNorm or LayerNorm")
 
     def _split(self, cfg: JobConfig, model: nn.Module) -> ParamSplit:
         try:
@@ -233,10 +246,7 @@ class JointDPClient:
             extra, missing = sorted(set(shared) - set(split.shared)), sorted(set(split.shared) - set(shared))
             raise UserLoopError(f"the broadcast does not match this model's shared parameters "
                                 f"(unknown: {extra[:5]}, missing: {missing[:5]})")
-        buffers = [n for n, _ in model.named_buffers()]
-        if buffers and cfg.dp and cfg.unit is not PrivacyUnit.OWNER:
-            raise UserLoopError(f"the model has buffers {buffers[:3]} (BatchNorm statistics?), which "
-                                "depend on the data without noise; use GroupNorm or LayerNorm")
+        self._check_buffers(cfg, model)
         personal = load_personal_arrays(context, owner_id(context), session)
         set_arrays(model, personal if personal is not None else self._public(context, split))
         set_arrays(model, shared)
@@ -274,6 +284,7 @@ class JointDPClient:
         finally:
             for n, p in params.items():
                 p.requires_grad_(flags[n])
+                p.grad = None  # nothing of the fit carries into the release's steps
         bad = [n for n in split.personal if not torch.isfinite(params[n]).all()]
         if bad:
             raise UserLoopError(f"the train function made personal parameters {bad[:3]} non-finite "
@@ -298,7 +309,9 @@ class JointDPClient:
     def _train(self, msg: Message, context: Context, model: nn.Module, loader: DataLoader,
                train_fn: TrainFn) -> Message:
         cfg = self.config(context)
-        cfg_rec = msg.content[protocol.CONFIG]
+        cfg_rec = msg.content.get(protocol.CONFIG)
+        if not isinstance(cfg_rec, ConfigRecord):
+            raise InstructionRefused("the train instruction has no config record")
         session = str(cfg_rec.get(protocol.SESSION, ""))
         o = owner_id(context)
         size = self._size(cfg, context, loader)
@@ -316,6 +329,7 @@ class JointDPClient:
         else:
             if split.personal and personal_fit_on(context, o, session) != digest:
                 self._fit_personal(model, split, lambda m: train_fn(m, loader))
+                set_arrays(model, shared)  # the release starts from the broadcast, whatever the fit did
             unit_of_record, num_units = self._units(cfg, context, size.num_records)
             central = cfg.placement is NoisePlacement.CENTRAL
             with public_personal_swapped(model, split, self._public(context, split)) as m, \
@@ -333,14 +347,14 @@ class JointDPClient:
             if central:  # the clipped sum is in ``record`` once private_training has closed
                 sums = record.clipped_sum or [torch.zeros_like(p) for n, p in model.named_parameters()
                                               if n in split.shared]
-                release = {n: s.detach().numpy().astype(np.float32)
+                release = {n: s.detach().cpu().numpy().astype(np.float32)
                            for n, s in zip(split.shared, sums, strict=True)}
         bad = [n for n, a in release.items() if not np.all(np.isfinite(a))]
         if bad:
             raise UserLoopError(f"the release has non-finite values in {bad[:3]} (a non-finite loss or "
                                 "learning rate?)")
         save_personal_arrays(context, o, dict(get_arrays(model, split.personal)), session, fit_on=digest)
-        dtype = {n: p.detach().numpy().dtype for n, p in model.named_parameters()}
+        dtype = {n: p.detach().cpu().numpy().dtype for n, p in model.named_parameters()}
         reply = RecordDict({
             "arrays": protocol.to_record({n: release[n].astype(dtype[n]) for n in split.shared}),
             "metrics": MetricRecord({protocol.NUM_EXAMPLES: size.num_records}),

@@ -199,6 +199,9 @@ def read_instructions(cfg: JobConfig, cfg_rec: ConfigRecord, owners: list[int]) 
     z = float(cfg_rec[protocol.NOISE_MULTIPLIER])
     rnd = int(cfg_rec[protocol.ROUND])
     by_owner = {o: Instruction(rnd, float(q), int(n), z) for o, q, n in zip(wanted, rates, steps)}
+    missing = [o for o in owners if o not in by_owner]
+    if missing:
+        raise InstructionRefused(f"the train instruction is not addressed to owners {missing[:5]}")
     return {o: by_owner[o] for o in owners}
 
 

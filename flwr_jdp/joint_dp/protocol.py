@@ -39,8 +39,6 @@ PERSONAL_ROUNDS = "personal-rounds"  # rounds the owner's personal state was tra
 OWNER_IDS = "owner-ids"
 NUM_RECORDS = "num-records"
 NUM_USERS = "num-users"
-IMAGE_SHAPE = "image-shape"
-NUM_CLASSES = "num-classes"
 PARAM_NAMES = "param-names"  # drop-in client: the model's parameter names and shapes
 PARAM_SHAPES = "param-shapes"
 

@@ -13,8 +13,12 @@ the layout ``F.cross_entropy`` takes with targets of shape (batch, sequence).
 from __future__ import annotations
 
 import torch
-from opacus.layers import DPLSTM
 from torch import nn
+
+from flwr_jdp import import_opacus_quietly
+
+import_opacus_quietly()
+from opacus.layers import DPLSTM  # noqa: E402 - after the quiet import (no root log handler)
 
 
 class CharLSTM(nn.Module):

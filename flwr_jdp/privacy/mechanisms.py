@@ -168,12 +168,13 @@ class GaussianSumMechanism(NoisySumMechanism):
         out = []
         if self.secure:  # float64 noise and sum, cast to the tensor's dtype last
             for s in sums:
-                noise = torch.from_numpy(secure_gaussian(tuple(s.shape), std))
+                noise = torch.from_numpy(secure_gaussian(tuple(s.shape), std)).to(s.device)
                 out.append(((s.detach().to(torch.float64) + noise) / self.denominator).to(s.dtype))
             return out
         for s in sums:
+            # drawn on the (CPU) generator, so the noise is the same on any device
             noise = torch.normal(0.0, std, size=s.shape, generator=generator, dtype=s.dtype)
-            out.append((s + noise) / self.denominator)
+            out.append((s + noise.to(s.device)) / self.denominator)
         return out
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
+from .. import import_opacus_quietly
 from . import events as ev
 
 #: Orders: Opacus's defaults united with dp-accounting's defaults.
@@ -30,6 +31,7 @@ ORDERS = sorted(
 
 def _opacus_rdp(q: float, z: float, orders: np.ndarray) -> np.ndarray | None:
     try:
+        import_opacus_quietly()
         from opacus.accountants.analysis import rdp as opacus_rdp
     except ImportError:  # pragma: no cover - opacus is a dependency
         return None

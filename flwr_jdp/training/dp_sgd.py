@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import import_opacus_quietly
 from ..params import ParamSplit
 from ..privacy.mechanisms import GaussianSumMechanism, clip_coefficients, secure_uniform
 from . import per_sample
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 
 def _grad_sample_module(model: nn.Module) -> GradSampleModule:
     """``model`` wrapped by Opacus for per-sample gradients (summed loss)."""
+    import_opacus_quietly()
     from opacus import GradSampleModule
 
     return GradSampleModule(model, loss_reduction="sum")
@@ -148,8 +150,9 @@ def clipped_unit_sum(
         per_sample = [_keep_rows(g, finite) for g in per_sample]
         norms = torch.where(finite, norms, torch.zeros((), dtype=norms.dtype))
     factors = clip_coefficients(norms, clipping_norm)
-    counts = torch.bincount(batch.units, minlength=batch.num_units).clamp(min=1).to(factors.dtype)
-    weights = factors / counts[batch.units]  # clip, then average within the unit
+    units = batch.units.to(factors.device)  # the sample is drawn on the CPU; gradients may be on a GPU
+    counts = torch.bincount(units, minlength=batch.num_units).clamp(min=1).to(factors.dtype)
+    weights = factors / counts[units]  # clip, then average within the unit
     return [_weighted_sum(weights, g).reshape(p.shape) for g, p in zip(per_sample, shared, strict=False)]
 
 

@@ -57,12 +57,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from opacus import GradSampleModule
 from torch import nn
 
+from .. import import_opacus_quietly
 from ..privacy.mechanisms import GaussianSumMechanism, clip_coefficients
 from .dp_sgd import UnitBatch, clipped_unit_sum, poisson_sample
 from .plain import record_losses
+
+import_opacus_quietly()
+from opacus import GradSampleModule  # noqa: E402 - after the quiet import (no root log handler)
 
 METHODS = ("fedavg", "local-item-dp", "higradavg-dp", "local-group-dp", "user-ldp")
 SAMPLING = ("records", "subjects")

@@ -45,6 +45,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
+from .. import import_opacus_quietly
 from ..privacy.mechanisms import GaussianSumMechanism
 from . import per_sample
 from .dp_sgd import UnitBatch, _draw_batch, batch_sums
@@ -138,6 +139,7 @@ class _DPStep:
     steps_taken: int = 0
     captured: list[torch.Tensor] | None = None
     _ids: set[int] = field(default_factory=set)
+    _last_draw: int = 0  # the sampler's draw the last step used
 
     def __post_init__(self) -> None:
         self._ids = {id(p) for p in self.params}
@@ -146,9 +148,16 @@ class _DPStep:
         if not any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"]):
             return  # another optimizer (not this model's)
         batch = self.sampler.current
-        if batch is None or self.steps_taken >= self.sampler.drawn:
+        if batch is None or self.steps_taken >= self.sampler.drawn or self._last_draw == self.sampler.drawn:
             raise UserLoopError("optimizer.step() was called without a new batch from the private "
                                 "loader: take exactly one step per batch")
+        others = [p for g in optimizer.param_groups for p in g["params"]
+                  if id(p) not in self._ids and p.grad is not None]
+        if others:  # e.g. personal parameters the train function unfroze: not in the release
+            raise UserLoopError(f"the train function gave gradients to {len(others)} parameters outside "
+                                "the private release (personal parameters unfrozen?): leave requires_grad "
+                                "as the model is handed over")
+        self._last_draw = self.sampler.drawn
         n = len(batch.records)
         for p in self.params:
             gs = getattr(p, "grad_sample", None)
@@ -218,6 +227,7 @@ class PrivateModule(nn.Module):
         return "opacus" if self._gsm is not None else "torch.func"
 
     def _use_opacus(self) -> None:
+        import_opacus_quietly()
         from opacus import GradSampleModule
 
         try:  # not a registered submodule: the parameters stay named _module.<name>
