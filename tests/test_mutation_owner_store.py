@@ -193,24 +193,24 @@ def test_each_owner_checks_and_charges_its_own_ledger_before_training(tmp_path):
     charge_owners(cfg, ctx, sizes, ok, "s")
     for o in (1, 2):
         agreed = agreed_release(cfg, sizes[o])
-        ledger = load_owner_ledger(ctx, o, "s", agreed, "record")
+        ledger = load_owner_ledger(ctx, o, agreed, "record")
         assert ledger.releases == 1 and ledger.epsilon() > 0 and ledger.ledger.unit == "record"
-        on_disk = json.loads((tmp_path / "s" / f"ledger-{o}.json").read_text())
+        on_disk = json.loads((tmp_path / "owners-record-add-remove" / f"ledger-{o}.json").read_text())
         assert [r["round"] for r in on_disk["rounds"]] == [1] and on_disk["rounds"][0]["note"] == "session s"
-        assert load_owner_ledger(_ctx({"state-dir": str(tmp_path)}), o, "s", agreed, "record").releases == 1
+        assert load_owner_ledger(_ctx({"state-dir": str(tmp_path)}), o, agreed, "record").releases == 1
         assert ledger.ledger.scope_event(next(iter(ledger.ledger.scopes))) == agreed.event(ok[o])
     # one owner's refusal refuses the message: nobody is charged for it
     bad = {1: Instruction(2, 0.1, 10, 1.0), 2: Instruction(2, 0.9, 5, 1.0)}
     with pytest.raises(InstructionRefused, match="owner 2: .*sampling rate"):
         charge_owners(cfg, ctx, sizes, bad, "s")
     for o in (1, 2):
-        assert load_owner_ledger(ctx, o, "s", agreed_release(cfg, sizes[o]), "record").releases == 1
-    assert load_owner_ledger(_ctx(), 1, "s", agreed_release(cfg, sizes[1]), "record").releases == 0
+        assert load_owner_ledger(ctx, o, agreed_release(cfg, sizes[o]), "record").releases == 1
+    assert load_owner_ledger(_ctx(), 1, agreed_release(cfg, sizes[1]), "record").releases == 0
     # the node restarts: each owner's ledger is read back from its state-dir before the next charge
     restarted = _ctx({"state-dir": str(tmp_path)})
     charge_owners(cfg, restarted, sizes, {o: dataclasses.replace(i, server_round=2) for o, i in ok.items()}, "s")
     for o in (1, 2):
-        on_disk = json.loads((tmp_path / "s" / f"ledger-{o}.json").read_text())
+        on_disk = json.loads((tmp_path / "owners-record-add-remove" / f"ledger-{o}.json").read_text())
         assert [r["round"] for r in on_disk["rounds"]] == [1, 2]
 
 
@@ -225,13 +225,63 @@ def test_an_owner_stops_at_its_budget_and_a_node_cap_lowers_it():
             charge_owners(cfg, ctx, sizes, {0: dataclasses.replace(step[0], server_round=rnd)}, "s")
             charged += 1
     assert charged >= 1
-    ledger = load_owner_ledger(ctx, 0, "s", agreed_release(cfg, sizes[0]), "record")
+    ledger = load_owner_ledger(ctx, 0, agreed_release(cfg, sizes[0]), "record")
     assert ledger.releases == charged and ledger.epsilon() <= 2.0
     capped = _ctx({"max-epsilon": 0.5})
     with pytest.raises(InstructionRefused, match="budget 0.5"):
         for rnd in range(1, charged + 1):
             charge_owners(cfg, capped, sizes, {0: dataclasses.replace(step[0], server_round=rnd)}, "s")
-    assert load_owner_ledger(capped, 0, "s", agreed_release(cfg, sizes[0], 0.5), "record").releases < charged
+    assert load_owner_ledger(capped, 0, agreed_release(cfg, sizes[0], 0.5), "record").releases < charged
+
+
+def test_a_new_session_named_by_the_server_does_not_reset_the_owners_ledger(tmp_path):
+    """The owner is charged under session A; its SuperNode restarts (a fresh
+    context.state, the same state-dir) and the server names session B. The owner's
+    ledger is where the node keeps it, not where the server points: the epsilon spent
+    under A carries over, and a release past the budget is refused under B."""
+    cfg = _local_cfg(**{"num-rounds": 100, "target-epsilon": 2.0, "noise-multiplier": 2.0})
+    sizes = {0: OwnerSize(100, 100)}
+    agreed = agreed_release(cfg, sizes[0])
+    node = {"state-dir": str(tmp_path)}
+    session_a = _ctx(node)
+    charged = 0
+    with pytest.raises(InstructionRefused, match="owner's budget 2"):
+        for rnd in range(1, 200):
+            charge_owners(cfg, session_a, sizes, {0: Instruction(rnd, 0.1, 10, 2.0)}, "sessionA")
+            charged += 1
+    spent = load_owner_ledger(session_a, 0, agreed, "record").epsilon()
+    assert charged >= 2 and spent <= 2.0 * (1 + 1e-9)
+
+    session_b = _ctx(node)  # the node restarted: nothing in context.state
+    carried = load_owner_ledger(session_b, 0, agreed, "record")
+    assert carried.releases == charged and carried.epsilon() == pytest.approx(spent)
+    with pytest.raises(InstructionRefused, match="owner 0: releasing would spend .* > the owner's budget 2"):
+        charge_owners(cfg, session_b, sizes, {0: Instruction(1, 0.1, 10, 2.0)}, "sessionB")
+    assert load_owner_ledger(_ctx(node), 0, agreed, "record").releases == charged  # nothing charged
+    assert not (tmp_path / "sessionB").exists()  # no per-session ledger to start from empty
+
+    # a release the budget still allows is charged under B onto the same ledger
+    half = _local_cfg(**{"num-rounds": 100, "target-epsilon": 2.0 * 1.5, "noise-multiplier": 2.0})
+    charge_owners(half, _ctx(node), sizes, {0: Instruction(1, 0.1, 10, 2.0)}, "sessionB")
+    notes = [r["note"] for r in load_owner_ledger(_ctx(node), 0, agreed_release(half, sizes[0]), "record")
+             .ledger.rounds]
+    assert notes == ["session sessionA"] * charged + ["session sessionB"]
+
+
+def test_the_owners_ledger_is_kept_per_privacy_unit_and_relation(tmp_path):
+    """Ledgers of different privacy units (or neighbouring relations) account
+    different things and are kept apart; delta and accountant are the current run's."""
+    node = {"state-dir": str(tmp_path)}
+    sizes = {0: OwnerSize(100, 100)}
+    record = _local_cfg()
+    charge_owners(record, _ctx(node), sizes, {0: Instruction(1, 0.1, 10, 1.0)}, "s")
+    user = _local_cfg(**{"privacy-unit": "user", "records-per-user": 1})
+    assert load_owner_ledger(_ctx(node), 0, agreed_release(user, sizes[0]), "user").releases == 0
+    assert load_owner_ledger(_ctx(node), 0, agreed_release(record, sizes[0]), "record").releases == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["owners-record-add-remove"]
+    other_delta = _local_cfg(delta=1e-3, accountant="pld")
+    reread = load_owner_ledger(_ctx(node), 0, agreed_release(other_delta, sizes[0]), "record")
+    assert reread.releases == 1 and reread.ledger.delta == 1e-3 and reread.ledger.accountant == "pld"
 
 
 def test_nothing_is_charged_by_owners_under_central_noise_or_without_dp():

@@ -112,11 +112,13 @@ def test_an_empty_sample_is_a_batch_of_zero_rows_and_a_pure_noise_step():
     before = [p.detach().clone() for p in net.body.parameters()]
     seen = []
     with _private(net, q=0.0, steps=2, z=1.0) as (model, loader, record):
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         for x, y in loader:
             seen.append((tuple(x.shape), tuple(y.shape)))
-            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
             opt.zero_grad()
-            model(x).sum().backward()
+            loss = nn.functional.cross_entropy(model(x), y)
+            assert math.isnan(loss.item())
+            loss.backward()
             opt.step()
     assert seen == [((0, 4), (0,))] * 2 and record.steps_taken == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, net.body.parameters(), strict=True))
@@ -165,11 +167,12 @@ def test_the_step_is_the_clipped_sum_over_the_expected_batch_plus_noise_of_z_c()
     want = _reference_sum(net, 0.05)
     with _private(net, q=1.0, steps=1, clip=0.05) as (model, loader, record):
         _sgd(model, loader)
-    for p, s, w in zip(net.body.parameters(), start, want, strict=True):
+    for (name, p), s, w in zip(net.body.named_parameters(), start, want, strict=True):
         assert torch.allclose(s - p.detach(), w / 40, atol=1e-7)
-        assert p.grad is not None and p.grad.dtype == p.dtype
-        assert getattr(p, "grad_sample", None) is None
+        assert torch.equal(record.release[f"body.{name}"], p.detach())
+        assert p.grad is None and getattr(p, "grad_sample", None) is None
     assert record.steps_planned == 1 and record.steps_taken == 1 and record.clipped_sum is None
+    assert set(record.release) == {"body.weight", "body.bias"}
 
 
 def test_capture_keeps_the_unnoised_clipped_sum_and_moves_nothing():
@@ -185,23 +188,19 @@ def test_capture_keeps_the_unnoised_clipped_sum_and_moves_nothing():
     want = _reference_sum(net, 0.05)
     for c, w in zip(record.clipped_sum, want, strict=True):
         assert torch.allclose(c, 2 * w, atol=1e-6)  # the same full batch twice, parameters unmoved
-    assert all(p.grad is not None and not p.grad.any() for p in net.body.parameters())
 
 
 def test_noise_std_and_zero_noise_without_noise_multiplier():
-    net = nn.Sequential(nn.Linear(4, 500))
-    before = torch.cat([p.detach().ravel().clone() for p in net.parameters()])
+    """The same run with z and with z = 0 (same batches, same generator): the
+    releases differ by the noise, std z C / (q N) per coordinate, mean 0."""
+    def release(z):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 500))
+        with _private(net, q=0.5, steps=1, z=z, clip=0.5) as (model, loader, record):
+            _sgd(model, loader)
+        return torch.cat([record.release[k].ravel() for k in ("0.weight", "0.bias")])
 
-    def zero_loss(model, loader):
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        for x, _ in loader:
-            opt.zero_grad()
-            (0.0 * model(x).sum()).backward()
-            opt.step()
-
-    with _private(net, q=0.5, steps=1, z=2.0, clip=0.5) as (model, loader, _):
-        zero_loss(model, loader)
-    moved = torch.cat([p.detach().ravel() for p in net.parameters()]) - before
+    moved = release(2.0) - release(0.0)
     assert float(moved.std()) == pytest.approx(2.0 * 0.5 / (0.5 * 40), rel=0.1)
     assert abs(float(moved.mean())) < 0.01
 
@@ -221,44 +220,45 @@ def test_only_this_models_optimizer_is_hooked_and_the_hook_is_removed():
     assert all(getattr(p, "grad_sample", None) is None for p in net.parameters())
 
 
-def test_a_step_without_a_new_batch_is_an_error():
+def test_a_step_without_a_new_batch_is_set_aside():
+    """A second step on one batch, or a step before the first batch: no DP step there;
+    every planned step is still taken, each on its own batch."""
     net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match=r"^optimizer\.step\(\) was called without a new batch from the "
-                                               r"private loader: take exactly one step per batch$"):
-        with _private(net, q=1.0, steps=2) as (model, loader, _):
-            _sgd(model, loader, steps_per_batch=2)
+    with _private(net, q=1.0, steps=2) as (model, loader, record):
+        _sgd(model, loader, steps_per_batch=2)
+    assert record.steps_taken == 2 and record.steps_completed == 0
     net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match="without a new batch"):  # the second step of one batch
-        with _private(net, q=1.0, steps=1) as (model, loader, _):
-            _sgd(model, loader, steps_per_batch=2)
-    net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match="without a new batch"):
-        with _private(net, q=1.0, steps=2) as (model, loader, _):
-            torch.optim.SGD(model.parameters(), lr=1.0).step()  # before the first batch
+    with _private(net, q=1.0, steps=2) as (model, loader, record):
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        opt.step()  # before the first batch
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert record.steps_taken == 2
 
 
-def test_missing_or_wrong_per_sample_gradients_are_named():
+def test_a_step_without_a_loss_or_after_two_losses_is_named():
     net = _Tiny()
-    msg = (r"^per-sample gradients of a batch of 40 records expected, got none: call loss\.backward\(\) exactly "
-           r"once per batch, on the model passed to your train function, with a loss averaged over the batch$")
-    with pytest.raises(ul.UserLoopError, match=msg):
+    with pytest.raises(ul.UserLoopError, match=r"^the train function took no DP step"):
         with _private(net, q=1.0, steps=1) as (model, loader, _):
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             for _x, _y in loader:
-                opt.step()  # no backward at all
+                opt.step()  # no loss at all
     net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match=r"expected, got 2 backward passes: call loss.backward\(\) exactly once"):
+    with pytest.raises(ul.UserLoopError, match=r"^one loss per batch"):
         with _private(net, q=1.0, steps=1) as (model, loader, _):
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             for x, y in loader:
-                nn.functional.cross_entropy(model(x), y).backward()
-                nn.functional.cross_entropy(model(x), y).backward()  # two backward passes
+                out = model(x)
+                nn.functional.cross_entropy(out, y).backward()
+                nn.functional.cross_entropy(out, y).backward()  # two losses on one output
                 opt.step()
 
 
-def test_a_per_sample_gradient_of_the_wrong_batch_size_is_named_by_its_shape():
+def test_per_record_gradients_of_the_wrong_batch_size_are_named():
     net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match=r"^per-sample gradients of a batch of 40 records expected, got \(3, 3, 4\): "):
+    with pytest.raises(ul.UserLoopError, match=r"^the per-record gradients of this batch are missing"):
         with _private(net, q=1.0, steps=1) as (model, loader, _):
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             for x, y in loader:
@@ -273,50 +273,75 @@ def test_an_empty_sample_of_a_one_record_data_set():
     with ul.private_training(net, DataLoader(data), unit_of_record=torch.arange(1), num_units=1,
                              sample_rate=1e-12, steps=1, noise_multiplier=1.0, clipping_norm=1.0,
                              generator=torch.Generator().manual_seed(0)) as (model, loader, _):
-        batches = [tuple(t.shape) for t, _ in loader]
+        batches = []
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        for x, y in loader:
+            batches.append(tuple(x.shape))
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
     assert batches == [(0, 4)]
 
 
-def test_no_trainable_parameter_and_an_unsupported_model_are_named():
+def test_no_trainable_parameter_and_an_unsupported_model_are_named(monkeypatch):
     net = _Tiny()
     for p in net.parameters():
         p.requires_grad_(False)
     with pytest.raises(ul.UserLoopError, match="^no trainable parameter to train privately$"):
         with _private(net):
             pass
-    bn = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-    with pytest.raises(ul.UserLoopError, match="^the model cannot be trained with per-sample gradients: "):
-        with _private(bn):
-            pass
+    from flwr_jdp.training import per_sample
 
-
-def test_fewer_steps_than_planned_are_logged(caplog):
-    net = _Tiny()
-    with caplog.at_level(logging.WARNING):
-        with _private(net, q=1.0, steps=3) as (model, loader, record):
-            for x, y in loader:
-                opt = torch.optim.SGD(model.parameters(), lr=0.1)
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                break
-    assert record.steps_taken == 1 and record.steps_planned == 3
-    assert any("took 1 of the 3 DP-SGD steps" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        with _private(_Tiny(), q=1.0, steps=1) as (model, loader, record):
+    monkeypatch.setattr(per_sample, "BACKEND", "opacus")
+    monkeypatch.setattr("opacus.GradSampleModule.__init__",
+                        lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("no layer")))
+    with pytest.raises(ul.UserLoopError, match=r"^the model cannot be trained with per-sample gradients "
+                                               r"\(NotImplementedError\)$"):
+        with _private(_Tiny(), q=1.0, steps=1) as (model, loader, _):
             _sgd(model, loader)
-    assert not any("DP-SGD steps" in r.getMessage() for r in caplog.records)
 
 
-def test_sum_loss_reduction_is_passed_to_opacus():
-    torch.manual_seed(0)
-    net = _Tiny()
-    for p in net.head.parameters():
-        p.requires_grad_(False)
-    with _private(net, q=1.0, steps=1, loss_reduction="sum") as (model, loader, _):
-        assert model.loss_reduction == "sum"
-    with _private(_Tiny(), q=1.0, steps=1) as (model, loader, _):
-        assert model.loss_reduction == "mean"
+def test_steps_the_train_function_leaves_out_are_taken_by_the_pass(caplog):
+    """An early stop after one of three steps: the pass takes the other two, on the
+    next batches, with the train function's loss and optimizer: the release is the
+    one of a loop that took all three."""
+    def early(model, loader):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            break
+
+    releases = []
+    for fn in (early, lambda m, pl: _sgd(m, pl, lr=0.1)):
+        torch.manual_seed(0)
+        with caplog.at_level(logging.WARNING), _private(_Tiny(), q=0.5, steps=3, z=1.0) as (model, loader, record):
+            fn(model, loader)
+        releases.append((record.release, record.steps_taken, record.steps_completed))
+    (early_release, taken, completed), (full, full_taken, full_completed) = releases
+    assert (taken, completed, full_taken, full_completed) == (3, 2, 3, 0)
+    for k, v in full.items():
+        assert torch.equal(early_release[k], v)
+    assert any("left DP steps untaken" in r.getMessage() for r in caplog.records)
+
+
+def test_each_records_term_is_used_whatever_the_reduction():
+    """The user's mean, sum or per-record ('none') loss: the same per-record terms."""
+    releases = []
+    for reduction in ("mean", "sum", "none"):
+        torch.manual_seed(0)
+        net = _Tiny()
+        with _private(net, q=1.0, steps=1, clip=0.05) as (model, loader, record):
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            for x, y in loader:
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y, reduction=reduction)
+                (loss if reduction != "none" else loss.mean()).backward()
+                opt.step()
+        releases.append(record.release)
+    for other in releases[1:]:
+        for k, v in releases[0].items():
+            torch.testing.assert_close(other[k], v)
 
 
 # --------------------------------------------------------------------- dp_sgd

@@ -280,11 +280,11 @@ def test_the_audited_production_path_runs_through_torch_func(monkeypatch):
     from flwr_jdp.training import user_loop
     from tests.test_audit_production import _instruction, _owner, _probe, _records, _run_config, app_round
 
-    def no_opacus(self) -> None:  # noqa: ANN001
+    def no_opacus(*args) -> None:  # noqa: ANN002
         raise AssertionError("Opacus's hooks were used")
 
     monkeypatch.setattr(per_sample, "BACKEND", "auto")
-    monkeypatch.setattr(user_loop.PrivateModule, "_use_opacus", no_opacus)
+    monkeypatch.setattr(user_loop._DPPass, "_opacus", no_opacus)
     for placement in ("local", "central"):
         model = _probe()
         split = split_parameters(model, r"^head\.")
@@ -295,4 +295,4 @@ def test_the_audited_production_path_runs_through_torch_func(monkeypatch):
         assert reply.has_content(), reply.error.reason
         out = reply.content["arrays"]
         assert set(out.keys()) == set(split.shared) and all(np.isfinite(out[n].numpy()).all() for n in out.keys())
-    assert per_sample.model_kind(_probe()) not in per_sample.LINEARIZED_FAILED
+    assert per_sample.model_kind(_probe()) not in per_sample.FUNC_FAILED

@@ -50,7 +50,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from logging import WARNING
+from logging import ERROR, WARNING
 
 import numpy as np
 import torch
@@ -86,6 +86,8 @@ TrainFn = Callable[[nn.Module, DataLoader], object]
 
 #: ``context.state`` key of the public initial personal values (from the server's set-up).
 PUBLIC_KEY = "jdp.public-personal"
+#: ``context.state`` key (``.<owner>``) of a rule of the DP pass the train function broke.
+REFUSED_KEY = "jdp.refused"
 
 
 def owner_id(context: Context) -> int:
@@ -120,9 +122,6 @@ class JointDPClient:
     user_ids : callable, optional
         ``(context) -> sequence of int``, the user of every record of the training
         data set (``jdp.privacy-unit = "user"``).
-    loss_reduction : str
-        ``"mean"`` (the default of torch losses) or ``"sum"``: how the user's loss
-        reduces over a batch (per-sample gradients are rescaled accordingly).
     config_fn : callable, optional
         ``(context) -> JobConfig``; default: the run config's ``jdp.*`` keys
         (:func:`~flwr_jdp.joint_dp.config.namespaced_config`). flwr-jdp's own app,
@@ -132,14 +131,10 @@ class JointDPClient:
     def __init__(self, app: ClientApp, *, model_fn: Callable[..., nn.Module],
                  train_data: Callable[[Context], DataLoader],
                  user_ids: Callable[[Context], Sequence[int]] | None = None,
-                 loss_reduction: str = "mean",
                  config_fn: Callable[[Context], JobConfig] | None = None) -> None:
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.model_fn = model_fn
         self.train_data = train_data
         self.user_ids = user_ids
-        self.loss_reduction = loss_reduction
         self.config_fn = config_fn or (lambda context: namespaced_config(context.run_config))
         self._key_prefix = "" if config_fn else f"{NAMESPACE}."  # how the user spells the keys
         app.query()(self._setup)
@@ -214,6 +209,10 @@ class JointDPClient:
 
     @staticmethod
     def _check_buffers(cfg: JobConfig, model: nn.Module) -> None:
+        norms = [type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]  # noqa: SLF001
+        if norms and cfg.dp and cfg.unit is not PrivacyUnit.OWNER:
+            raise UserLoopError(f"the model has {norms[0]}, which mixes the records of a batch; use GroupNorm "
+                                "or LayerNorm")
         buffers = [n for n, _ in model.named_buffers()]
         if buffers and cfg.dp and cfg.unit is not PrivacyUnit.OWNER:
             raise UserLoopError(f"the model has buffers {buffers[:3]} (BatchNorm statistics?), which "
@@ -304,6 +303,9 @@ class JointDPClient:
         except (ConfigError, UserLoopError) as err:
             log(WARNING, "Train round failed (nothing sent): %s", err)
             reason = str(err)
+        except Exception as err:  # noqa: BLE001 - the user's code: its message may hold data
+            log(ERROR, "Train round failed (nothing sent): %s: %s", type(err).__name__, err)
+            reason = f"the train round raised {type(err).__name__} (its message is in the node's log, not sent)"
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
 
     def _train(self, msg: Message, context: Context, model: nn.Module, loader: DataLoader,
@@ -316,6 +318,10 @@ class JointDPClient:
         o = owner_id(context)
         size = self._size(cfg, context, loader)
         instruction = read_instructions(cfg, cfg_rec, [o])[o]
+        refused = context.state.get(f"{REFUSED_KEY}.{o}")
+        if isinstance(refused, ConfigRecord):  # the same code would break the same rule: spend nothing
+            raise UserLoopError(f"the train function broke a rule of the DP pass in an earlier round of this run "
+                                f"({refused['reason']}); fix it and start a new run")
         charge_owners(cfg, context, {o: size}, {o: instruction}, session)  # local noise only
         split, shared = self._load(cfg, model, msg, context, session)
         generator = owner_generator(cfg, instruction.server_round, o)
@@ -339,12 +345,16 @@ class JointDPClient:
                                      noise_multiplier=instruction.noise_multiplier,
                                      clipping_norm=cfg.clipping_norm, generator=generator,
                                      secure=cfg.secure_noise, capture=central,
-                                     loss_reduction=self.loss_reduction,
                                      epochs=1 if central else cfg.local_epochs) as (private, ploader, record):
-                train_fn(private, ploader)
-                if not central:
-                    release = dict(get_arrays(m, split.shared))
-            if central:  # the clipped sum is in ``record`` once private_training has closed
+                try:
+                    _run_user_code(train_fn, private, ploader)
+                except UserLoopError as err:
+                    if err.structural:
+                        context.state[f"{REFUSED_KEY}.{o}"] = ConfigRecord({"reason": str(err)})
+                    raise
+            if not central:  # the trainable (shared) parameters as the last DP step left them
+                release = {n: record.release[n].detach().cpu().numpy() for n in split.shared}
+            else:  # the clipped sum is in ``record`` once private_training has closed
                 sums = record.clipped_sum or [torch.zeros_like(p) for n, p in model.named_parameters()
                                               if n in split.shared]
                 release = {n: s.detach().cpu().numpy().astype(np.float32)
@@ -378,6 +388,19 @@ class JointDPClient:
         if not math.isfinite(float(sum(float(np.sum(d)) for d in delta))):
             raise UserLoopError("the owner's update is non-finite (a diverging or non-finite loss?)")
         return dict(zip(split.shared, delta, strict=True))
+
+
+def _run_user_code(train_fn: TrainFn, model: nn.Module, loader: DataLoader) -> None:
+    """``train_fn(model, loader)`` in the DP pass; an exception of the user's code becomes a
+    :class:`UserLoopError` naming its type only (its message may hold data; it is logged here)."""
+    try:
+        train_fn(model, loader)
+    except UserLoopError:
+        raise
+    except Exception as err:  # noqa: BLE001
+        log(ERROR, "The train function raised in the DP pass: %s: %s", type(err).__name__, err)
+        raise UserLoopError(f"the train function raised {type(err).__name__} in the DP pass (its message is "
+                            "in the node's log, not sent)") from err
 
 
 def _owner_context(context: Context, owner: int, num_owners: int) -> Context:
@@ -451,7 +474,8 @@ def _hosted(msg: Message, context: Context, call_next: Callable[[Message, Contex
         try:
             reply = call_next(msg, _owner_context(context, o, num_owners))
         except Exception as err:  # noqa: BLE001 - one owner's failure must not lose the others' replies
-            errors.append(f"owner {o}: {type(err).__name__}: {err}")
+            log(ERROR, "owners_mod: owner %d's handler raised %s: %s", o, type(err).__name__, err)
+            errors.append(f"owner {o}: {type(err).__name__} (its message is in the node's log, not sent)")
             continue
         if reply.has_error():
             errors.append(f"owner {o}: {reply.error.reason}")

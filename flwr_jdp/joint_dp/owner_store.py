@@ -9,7 +9,13 @@ SuperNode started with ``state-dir=<path>`` also keeps them in
 ``<path>/<session>/personal-<o>.npz`` (never sent; the session id comes with every
 instruction and is kept by the server across restarts), so that after the
 ServerApp is killed and the run resumed the owners continue from their personal
-state. Used by every joint-DP ClientApp, the drop-in client half included.
+state; a new session starts from the public initial values.
+
+The owner's own ledger does not depend on the session: it is kept in
+``<path>/owners-<unit>-<neighbouring>/ledger-<o>.json``
+(:class:`flwr_jdp.privacy.guard.LedgerStore`), so that a server naming a new session
+after a SuperNode restart finds every release the owner made and cannot spend its
+budget again. Used by every joint-DP ClientApp, the drop-in client half included.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from flwr_jdp.joint_dp.owner_guard import (
     agreed_release,
 )
 from flwr_jdp.joint_dp.schedule import OwnerSize
+from flwr_jdp.privacy.guard import LedgerStore, charge
 from flwr_jdp.privacy.mechanisms import torch_generator
 from flwr_jdp.privacy.units import NoisePlacement
 
@@ -118,34 +125,21 @@ def trained_rounds(context: Context, owner_id: int, session: str = "") -> int:
     return int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
 
 
-def _ledger_file(session: str, context: Context, owner_id: int) -> Path | None:
-    """Node-local file of one owner's own privacy ledger, if the node keeps a state-dir."""
-    personal = _state_file(session, context, owner_id)
-    return None if personal is None else personal.with_name(f"ledger-{int(owner_id)}.json")
+#: Where owners keep their own ledgers: ``context.state["ledger.<o>"]`` and
+#: ``<state-dir>/owners-<unit>-<neighbouring>/ledger-<o>.json``.
+OWNER_LEDGERS = LedgerStore(party="owner", state_key="ledger")
 
 
-def load_owner_ledger(context: Context, owner_id: int, session: str, agreed: AgreedRelease,
-                      unit: str) -> OwnerLedger:
-    """The owner's own record of its releases: ``context.state`` (every release of
-    this Flower run, whatever session the server names), else the node's
-    ``state-dir`` for this session (after a restart), else empty."""
-    key = f"ledger.{int(owner_id)}"
-    text = None
-    if key in context.state:
-        text = str(context.state[key]["state"])
-    else:
-        path = _ledger_file(session, context, owner_id)
-        if path is not None and path.is_file():
-            text = path.read_text()
-    return OwnerLedger.from_json(text, agreed, unit)
+def load_owner_ledger(context: Context, owner_id: int, agreed: AgreedRelease, unit: str) -> OwnerLedger:
+    """The owner's own record of its releases: ``context.state`` (this Flower run),
+    else the node's ``state-dir`` (after a restart, whatever session the server
+    names), else empty."""
+    return OWNER_LEDGERS.load(context, owner_id, agreed, unit)
 
 
-def save_owner_ledger(context: Context, owner_id: int, session: str, ledger: OwnerLedger) -> None:
+def save_owner_ledger(context: Context, owner_id: int, ledger: OwnerLedger) -> None:
     """Keep the owner's ledger in ``context.state`` and on the node's disk."""
-    context.state[f"ledger.{int(owner_id)}"] = ConfigRecord({"state": ledger.to_json()})
-    path = _ledger_file(session, context, owner_id)
-    if path is not None:
-        ledger.save(path)
+    OWNER_LEDGERS.save(context, owner_id, ledger)
 
 
 def owner_generator(cfg: JobConfig, server_round: int, owner_id: int) -> torch.Generator:
@@ -209,23 +203,12 @@ def charge_owners(cfg: JobConfig, context: Context, sizes: dict[int, OwnerSize],
                   instructions: dict[int, Instruction], session: str) -> None:
     """Local noise: every owner checks its instruction against what it agreed to and
     against its own ledger, then records the release in its ledger and saves it,
-    before anything is trained. Any refusal refuses the whole message (nothing is
-    recorded, trained or sent)."""
+    before anything is trained (:func:`flwr_jdp.privacy.guard.charge`). Any refusal
+    refuses the whole message (nothing is recorded, trained or sent). ``session`` is
+    noted in the ledger; it does not select it."""
     if not (cfg.dp and cfg.placement is NoisePlacement.LOCAL):
         return
     cap = context.node_config.get("max-epsilon")
-    reasons, ledgers = [], {}
-    for o, instruction in instructions.items():
-        agreed = agreed_release(cfg, sizes[o], None if cap is None else float(cap))
-        reason = agreed.check(instruction)
-        ledger = load_owner_ledger(context, o, session, agreed, cfg.privacy_unit)
-        event = agreed.event(instruction)
-        reason = reason or ledger.check(event)
-        if reason:
-            reasons.append(f"owner {o}: {reason}")
-        ledgers[o] = (ledger, event)
-    if reasons:
-        raise InstructionRefused("; ".join(reasons))
-    for o, (ledger, event) in ledgers.items():
-        ledger.record(instructions[o].server_round, event, note=f"session {session}")
-        save_owner_ledger(context, o, session, ledger)
+    requests = {o: (agreed_release(cfg, sizes[o], None if cap is None else float(cap)), instruction)
+                for o, instruction in instructions.items()}
+    charge(context, OWNER_LEDGERS, requests, cfg.privacy_unit, note=f"session {session}")

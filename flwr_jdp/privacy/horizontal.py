@@ -2,7 +2,9 @@
 
 Unit: one **data subject** (add/remove all of its records, wherever they sit).
 A subject's records may sit at several silos; every silo noises its own releases
-(local DP, the server is not trusted), and the server averages the silos' models.
+(local DP, the server is not trusted: each silo checks the server's instructions and
+keeps its own ledger, :mod:`flwr_jdp.subject.silo_guard`), and the server averages the
+silos' models.
 The releases of *every* silo that holds a subject depend on it, so the subject's
 privacy loss is the **sequential** composition of those silos' releases (Marathe
 et al., Theorem 4.1), not the parallel composition that applies to records.

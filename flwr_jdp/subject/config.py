@@ -53,9 +53,10 @@ class SubjectDPConfig:
     evaluate_on: str = "test"  # test | validation (tuning)
     results_dir: str = "results/subject_dp/run"
     resume: bool = True  # continue an unfinished run with the same configuration in results-dir
-    #: Reproduction only: each silo also sends its per-batch group sizes and numbers
-    #: of distinct subjects every round. They are data-dependent and NOT DP, so the
-    #: default is off (the server then receives only the DP model releases).
+    #: Reproduction only (reported counts, ``max-records-per-subject = 0``; refused under
+    #: the public cap): each silo also sends its per-batch group sizes and numbers of
+    #: distinct subjects every round. They are data-dependent and NOT DP, so the default
+    #: is off (the server then receives only the DP model releases).
     report_batch_stats: bool = False
 
     def __post_init__(self) -> None:
@@ -108,6 +109,10 @@ class SubjectDPConfig:
             need(self.inclusion == "subject", "max-records-per-subject",
                  "0 (reported counts, not DP) with inclusion = record (the paper's accounting)",
                  self.max_records_per_subject)
+            need(not self.report_batch_stats, "report-batch-stats",
+                 "false with max-records-per-subject > 0 (per-batch group sizes and distinct-subject counts "
+                 "are data-dependent, not DP; they are for the reported-counts reproduction, "
+                 "max-records-per-subject = 0)", self.report_batch_stats)
             need(self.method != "local-group-dp" or self.group_size > 0, "max-records-per-subject",
                  "0 (reported counts, not DP) for local-group-dp with group-size = 0 (the paper's "
                  "data-dependent Z; set group-size > 0 to run it under the public cap)",
@@ -129,5 +134,16 @@ KEYMAP = {f.replace("_", "-"): f for f in SubjectDPConfig.__dataclass_fields__}
 
 def parse_subject_config(run_config: dict) -> SubjectDPConfig:
     """Build the config from a run config; unknown keys are ignored (they belong
-    to other apps), bad values raise :class:`ConfigError` naming the key."""
+    to other apps), bad values raise :class:`ConfigError` naming the key. Joint DP's
+    ``neighbouring`` and ``secure-noise`` are refused unless at their defaults:
+    subject-level DP is add/remove (one subject present or absent) with float32 noise
+    from a CSPRNG-seeded generator, and would otherwise ignore them silently."""
+    neighbouring = run_config.get("neighbouring", "add-remove")
+    need(neighbouring == "add-remove", "neighbouring",
+         "'add-remove' for subject-level DP (one subject's records present or absent; replace-one is joint DP's)",
+         neighbouring)
+    secure = run_config.get("secure-noise", False)
+    need(secure in (False, "false", 0), "secure-noise",
+         "false for subject-level DP (its noise is float32 from a CSPRNG-seeded generator; secure noise is "
+         "joint DP's)", secure)
     return parse_dataclass(SubjectDPConfig, run_config, KEYMAP)

@@ -49,6 +49,12 @@ Per-silo record-level epsilon is increasing in the sampling rate (sampling at
 ``q' < q`` is sampling at ``q'/q`` of the rate-``q`` sample, post-processing), so
 calibrating to the largest rate covers every silo.
 
+Under the public cap ``target-epsilon`` is a hard budget in every accounting mode: a
+plan whose ``epsilon`` exceeds it is refused (:func:`over_target`) by the server at
+start-up and by every silo, which recomputes the plan itself
+(:mod:`flwr_jdp.subject.silo_guard`); rounds and calibration steps
+(:func:`schedule`) use no count in either mode.
+
 The plan's epsilons: ``epsilon`` is the exact subject-level epsilon of what is
 actually run (max over subjects, subject inclusion rates, PLD; in the public-cap
 mode the worst-case subject's, an upper bound for every subject) for the methods
@@ -133,6 +139,41 @@ def planning_counts(cfg: SubjectDPConfig, counts: np.ndarray | None) -> np.ndarr
     return np.asarray(counts)
 
 
+def schedule(cfg: SubjectDPConfig, silos: int | None = None) -> tuple[int, int]:
+    """``(rounds, calibration steps)`` of the plan: ``budget-rounds``, or
+    ``floor(R / sqrt(s))`` under ``sqrt-rounds``; ``local-steps`` per round over the
+    budget's rounds, times ``s`` under ``scaled-steps``. No count enters them, so every
+    silo derives them from the run config (``silos``: ``num-silos`` unless given)."""
+    s = cfg.num_silos if silos is None else int(silos)
+    R, steps = cfg.budget_rounds, cfg.local_steps
+    if cfg.method == "local-item-dp":
+        return R, steps * R
+    rounds = sqrt_rounds(R, s) if cfg.accounting == "sqrt-rounds" else R
+    return rounds, steps * R * (s if cfg.accounting == "scaled-steps" else 1)
+
+
+def over_target(cfg: SubjectDPConfig, plan: SubjectPlan) -> str | None:
+    """Why a public-cap plan is refused (its epsilon exceeds ``target-epsilon``), naming
+    the keys to change; None if it is within the target. ``target-epsilon`` is a hard
+    budget under the public cap: the server refuses such a plan at start-up and every
+    silo refuses to train under it. (With reported counts, the paper's reproduction and
+    not DP, the plan's epsilon is reported, whatever it is.)"""
+    if not (cfg.public_cap and cfg.private) or plan.epsilon <= cfg.target_epsilon * (1 + 1e-9):
+        return None
+    head = (f"the plan ({cfg.method}, accounting = {cfg.accounting!r}, {plan.rounds} rounds, z = "
+            f"{plan.noise_multiplier:.4g}) spends epsilon {plan.epsilon:.4g} > run-config key 'target-epsilon' = "
+            f"{cfg.target_epsilon:g}, a hard budget with max-records-per-subject > 0")
+    if cfg.noise_multiplier > 0:
+        return (f"{head}: run-config key 'noise-multiplier' = {cfg.noise_multiplier:g} is too small for "
+                f"'budget-rounds' = {cfg.budget_rounds}; raise it, lower 'budget-rounds', or set "
+                "'noise-multiplier' = 0 to calibrate it to the target")
+    if cfg.accounting == "sqrt-rounds":
+        return (f"{head}: run-config key 'accounting' = 'sqrt-rounds' calibrates one silo's releases, but under "
+                "the public cap the worst-case subject is at every silo; set 'accounting' to 'exact' or "
+                "'scaled-steps'")
+    return f"{head}: raise 'target-epsilon' or lower 'budget-rounds'"
+
+
 def make_plan(cfg: SubjectDPConfig, counts: np.ndarray | None = None, accountant: str = "pld") -> SubjectPlan:
     """Calibrate (or take) the noise and fix the rounds for ``cfg``: on the reported
     ``counts`` (``max-records-per-subject = 0``), or on the worst-case subject in the
@@ -144,14 +185,13 @@ def make_plan(cfg: SubjectDPConfig, counts: np.ndarray | None = None, accountant
     nan = float("nan")
     if not cfg.private:
         return SubjectPlan(0.0, R, rates, 0, "none", math.inf, math.inf, math.inf)
-    rounds = sqrt_rounds(R, s) if cfg.accounting == "sqrt-rounds" else R
-    cal_steps = steps * R * (s if cfg.accounting == "scaled-steps" else 1)
+    rounds, cal_steps = schedule(cfg, s)
     target, delta = cfg.target_epsilon, cfg.delta
     if cfg.method == "local-item-dp":
         z = cfg.noise_multiplier or calibrate(
-            target, delta, lambda z: [record_event(z, max(rates), steps * R)], accountant)
-        eps = event_epsilon(record_event(z, max(rates), steps * R), delta, accountant)
-        return SubjectPlan(z, R, rates, steps * R, "record", eps, nan, target)
+            target, delta, lambda z: [record_event(z, max(rates), cal_steps)], accountant)
+        eps = event_epsilon(record_event(z, max(rates), cal_steps), delta, accountant)
+        return SubjectPlan(z, rounds, rates, cal_steps, "record", eps, nan, target)
     if cfg.method == "local-group-dp" and not cfg.group_size:
         return SubjectPlan(0.0, rounds, rates, cal_steps, "subject (group DP, claimed)", nan, nan, target)
     acc = HorizontalAccountant(accounting_counts(cfg, counts), delta, accountant)

@@ -6,6 +6,10 @@ import torch
 
 CONFIG, SETUP, MODEL, STATS = "config", "setup", "model", "stats"
 SILOS = "silos"
+#: the train instruction's keys: the round, each addressed silo's sampling rate, the
+#: noise multiplier, and the batches per silo the noise was calibrated for
+ROUND, SAMPLE_RATES, NOISE_MULTIPLIER, CALIBRATION_STEPS = (
+    "round", "sample-rates", "noise-multiplier", "calibration-steps")
 
 
 def silo_key(i: int) -> str:

@@ -9,7 +9,10 @@ all its records at every silo (add/remove). Each silo noises its own model updat
 one scope per Pareto-maximal subject of the subject-to-silo map (the worst-case
 subject alone under the public cap), charged each round *before* the silos train
 with the composition of that subject's events at every silo that holds it; its
-epsilon is the exact maximum over subjects.
+epsilon is the exact maximum over subjects. The silos do not trust this server: each
+checks every instruction against the plan it derives from its run config and keeps
+its own ledger (:mod:`flwr_jdp.subject.silo_guard`); a refusal comes back as an error
+reply naming the reason, and that silo is dropped for the round.
 ``local-item-dp`` records one scope per silo (record unit: silos hold disjoint
 records); ``local-group-dp`` carries the paper's claimed budget only (its noise is
 data-dependent, see :mod:`flwr_jdp.subject.group_privacy`), unless it runs with a fixed
@@ -29,7 +32,10 @@ Set-up, two modes (:mod:`flwr_jdp.subject.plan`):
   ``batch-size`` over each silo's size. This metadata is not covered by the guarantee.
 
 Batch statistics (group size ``Z`` and distinct subjects per batch) are sent only
-with ``report-batch-stats = true`` (the paper's Figure 2; not DP).
+with ``report-batch-stats = true`` (the paper's Figure 2; not DP; reported counts only,
+refused under the public cap). Under the public cap ``target-epsilon`` is a hard
+budget: a plan over it (``sqrt-rounds``, a too small fixed ``noise-multiplier``) is
+refused before any node is contacted (:func:`flwr_jdp.subject.plan.over_target`).
 
 Rounds: ``query`` once (each node lists its silos, and their counts in the
 reported-counts mode), then per round
@@ -43,8 +49,10 @@ config and ``results-dir`` reloads the model, ledger, history and batch statisti
 of an unfinished run and continues after the last completed round. A round that
 was charged but not completed (crash mid-round) may have released noised models:
 its charge stays, and re-running it is charged again. If that would take epsilon
-beyond the target (or the plan's epsilon, if larger), the run stops with status ``budget-exhausted`` and the
-model and ledger saved (conservative: nothing is ever un-charged).
+beyond the target (or, with reported counts, the plan's epsilon, if larger), the run stops with status
+``budget-exhausted`` and the model and ledger saved (conservative: nothing is ever un-charged). A silo
+that released the interrupted round already refuses its re-run (its own ledger, kept across restarts in
+the node's ``state-dir``), and is dropped from that round's average.
 """
 
 from __future__ import annotations
@@ -63,15 +71,20 @@ from flwr.serverapp.exception import PrivacyBudgetExhausted
 
 from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.checkpoint import Checkpoint
+from flwr_jdp.config_check import ConfigError
 from flwr_jdp.node_query import query_nodes
 from flwr_jdp.privacy.events import dp_sgd
 from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.subject.config import SubjectDPConfig
-from flwr_jdp.subject.plan import SubjectPlan, accounting_counts, make_plan, worst_case_counts
+from flwr_jdp.subject.plan import SubjectPlan, accounting_counts, make_plan, over_target, worst_case_counts
 from flwr_jdp.subject.protocol import (  # noqa: E402,F401 - the keys, re-exported
+    CALIBRATION_STEPS,
     CONFIG,
     MODEL,
+    NOISE_MULTIPLIER,
+    ROUND,
+    SAMPLE_RATES,
     SETUP,
     SILOS,
     STATS,
@@ -171,10 +184,10 @@ class SubjectLevelFedAvg(AccountedStrategy):
         out = []
         for node, silos in self.node_silos.items():
             conf = ConfigRecord({
-                "round": server_round, SILOS: silos,
-                "sample-rates": [float(plan.sample_rates[i]) for i in silos],
-                "noise-multiplier": float(plan.noise_multiplier),
-                "calibration-steps": int(plan.calibration_steps),
+                ROUND: server_round, SILOS: silos,
+                SAMPLE_RATES: [float(plan.sample_rates[i]) for i in silos],
+                NOISE_MULTIPLIER: float(plan.noise_multiplier),
+                CALIBRATION_STEPS: int(plan.calibration_steps),
             })
             out.append(Message(RecordDict({MODEL: arrays, CONFIG: conf}), dst_node_id=node,
                                message_type=MessageType.TRAIN))
@@ -217,15 +230,11 @@ class SubjectLevelFedAvg(AccountedStrategy):
         cfg = self.cfg
         if initial_arrays is not None:
             load_arrays(self.model, {k: v.numpy() for k, v in initial_arrays.items()})
+        if cfg.public_cap:  # the plan uses no data: refuse one over the target before contacting any node
+            self._make_plan(None)
         self.counts = self.discover(grid, min(timeout, 600.0))
-        t0 = time.time()
-        self.plan = make_plan(cfg, None if cfg.public_cap else self.counts, self.accountant)
-        log(INFO, "Plan (%s, %s, %s accounting, inclusion %s, sampling %s): z = %.4f, %d rounds, exact epsilon "
-            "%.4g, s-fold bound %.4g, claimed %.4g (%.0f s)", cfg.method,
-            f"public cap of {cfg.max_records_per_subject} records per subject and silo" if cfg.public_cap
-            else "reported counts (not DP)", cfg.accounting, cfg.inclusion, cfg.sampling,
-            self.plan.noise_multiplier, self.plan.rounds, self.plan.epsilon, self.plan.epsilon_sfold,
-            self.plan.epsilon_claimed, time.time() - t0)
+        if not cfg.public_cap:
+            self._make_plan(self.counts)
         if num_rounds is not None and num_rounds != self.plan.rounds:
             raise ValueError(f"start(num_rounds={num_rounds}) differs from the plan's {self.plan.rounds} rounds")
         self.ledger = PrivacyLedger(delta=cfg.delta, accountant=self.accountant, unit=self.plan.unit)
@@ -234,6 +243,21 @@ class SubjectLevelFedAvg(AccountedStrategy):
         if first == 1 and not self.history:
             self.save(self._arrays(), "running")  # a crash in round 1 then resumes with round 1's charge
         return self._arrays(), range(first, self.plan.rounds + 1)
+
+    def _make_plan(self, counts: np.ndarray | None) -> None:
+        """Plan z, the rates and the rounds; under the public cap a plan whose epsilon
+        exceeds ``target-epsilon`` is refused (:class:`ConfigError` naming the keys)."""
+        cfg, t0 = self.cfg, time.time()
+        self.plan = make_plan(cfg, counts, self.accountant)
+        log(INFO, "Plan (%s, %s, %s accounting, inclusion %s, sampling %s): z = %.4f, %d rounds, exact epsilon "
+            "%.4g, s-fold bound %.4g, claimed %.4g (%.0f s)", cfg.method,
+            f"public cap of {cfg.max_records_per_subject} records per subject and silo" if cfg.public_cap
+            else "reported counts (not DP)", cfg.accounting, cfg.inclusion, cfg.sampling,
+            self.plan.noise_multiplier, self.plan.rounds, self.plan.epsilon, self.plan.epsilon_sfold,
+            self.plan.epsilon_claimed, time.time() - t0)
+        reason = over_target(cfg, self.plan)
+        if reason:
+            raise ConfigError(reason)
 
     def _arrays(self) -> ArrayRecord:
         return ArrayRecord({k: Array(v) for k, v in model_arrays(self.model).items()})

@@ -32,12 +32,9 @@ data-dependent control flow; in-place updates of buffers; ``.item()`` in
 ``forward``) make the pass raise; :mod:`~flwr_jdp.training.dp_sgd` then falls back
 to Opacus's hooks for that model class (one log line).
 
-A training loop that is not ours (the drop-in client's: the user's loss, optimizer
-and loop) goes through :class:`FuncGradSampleModule`: the user's forward pass is a
-plain one, and from the gradient of the user's loss in the model's output the same
-vectorised pass gives every record's gradient (exact for any loss that sums or
-averages one term per record); :class:`~flwr_jdp.training.user_loop.PrivateModule`
-falls back to Opacus's hooks for a model class it cannot handle (dropout included).
+The drop-in client's DP pass (:mod:`~flwr_jdp.training.user_loop`, the user's own
+loop) uses the same pass with the user's loss function applied to each record alone,
+and keeps each record's output (:attr:`FuncPerSample.outputs`) for the user's code.
 """
 
 from __future__ import annotations
@@ -85,6 +82,7 @@ class FuncPerSample:
         self.summed = set(summed)
         self.params = dict(model.named_parameters())
         self.single_row_linear: set[str] | None = None  # found on the first batch
+        self.outputs: torch.Tensor | None = None  # each record's output of the last pass
         if set_train:
             model.train()
 
@@ -102,40 +100,19 @@ class FuncPerSample:
         losses = self._per_record((xb,), yb, cross_entropy, n, randomness="different")
         return float(losses.sum()) / n
 
-    def backward_linearized(self, inputs: tuple[torch.Tensor, ...], out_grads: torch.Tensor,
-                            scale: float = 1.0) -> None:
-        """Per-sample gradients of any loss that sums (or averages) a term per record,
-        given the gradient ``out_grads`` of that loss in the model's output on
-        ``inputs``: record ``i``'s gradient is ``J_i^T out_grads[i]`` (``J_i``: the
-        Jacobian of its output in the parameters), the gradient of the linear
-        function ``<f(x_i), out_grads[i]>``, times ``scale`` (the batch size for a
-        loss averaged over the batch, as Opacus's ``loss_reduction="mean"``)."""
-        for p in self.params.values():  # ``.grad`` is left alone (Opacus's hooks leave it too)
-            p.grad_sample = None
-        n = out_grads.shape[0]
-        if n == 0:
-            return
-        g = out_grads.detach() * scale if scale != 1.0 else out_grads.detach()
-
-        def linear(out: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
-            if out.shape[1:] != gi.shape:  # no silent broadcasting
-                raise FuncUnsupported(f"a record's output has shape {tuple(out.shape[1:])}, its gradient "
-                                      f"{tuple(gi.shape)}")
-            return (out * gi.unsqueeze(0)).sum()
-
-        # the loss was computed on another forward pass: a random layer (dropout) would
-        # differ in this one, so randomness is an error here (the caller falls back)
-        self._per_record(inputs, g, linear, n, randomness="error")
-
     def _per_record(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_one,  # noqa: ANN001
-                    n: int, randomness: str) -> torch.Tensor:
+                    n: int, randomness: str, trainable: set[str] | None = None) -> torch.Tensor:
         """``vmap`` over the records of ``grad(loss_one(f(x_i), targets[i]))``: sets
-        ``grad_sample`` of every trainable parameter; returns the per-record losses."""
+        ``grad_sample`` of every trainable parameter (``trainable``: these names;
+        default: those with ``requires_grad``); returns the per-record losses and
+        keeps each record's output, computed alone, in :attr:`outputs`."""
         if self.single_row_linear is None:
             self.single_row_linear = _single_row_linear_weights(self.model, self.params,
                                                                 tuple(x[:1] for x in inputs))
-        factored = {k for k in self.single_row_linear if self.params[k].requires_grad and k not in self.summed}
-        wrt = {k: p.detach() for k, p in self.params.items() if p.requires_grad and k not in factored}
+        if trainable is None:
+            trainable = {k for k, p in self.params.items() if p.requires_grad}
+        factored = {k for k in self.single_row_linear if k in trainable and k not in self.summed}
+        wrt = {k: p.detach() for k, p in self.params.items() if k in trainable and k not in factored}
         const = {k: p.detach() for k, p in self.params.items() if k not in wrt}
         const.update((k, b.detach()) for k, b in self.model.named_buffers())
         probes = {k: torch.zeros(1, self.params[k].shape[0], dtype=self.params[k].dtype,
@@ -148,13 +125,14 @@ class FuncPerSample:
             mode.zero, mode.inputs = zero, {}
             out = functional_call(model, {**const, **w}, tuple(x.unsqueeze(0) for x in xs))
             loss = loss_one(out, target)
-            return loss, (loss.detach(), mode.inputs)
+            return loss, (loss.detach(), mode.inputs, out.detach()[0])
 
         in_dims = (None, None, 0, *(0,) * len(inputs))
         per_record = vmap(grad(loss_of_one, argnums=(0, 1), has_aux=True), in_dims=in_dims,
                           randomness=randomness, chunk_size=CHUNK if n > CHUNK else None)
         with mode:
-            (grads, out_grads), (losses, used) = per_record(wrt, probes, targets, *inputs)
+            (grads, out_grads), (losses, used, outputs) = per_record(wrt, probes, targets, *inputs)
+        self.outputs = outputs
         for k, g in grads.items():
             p = self.params[k]
             p.grad_sample = g
@@ -376,121 +354,13 @@ class _GroupNorm(torch.autograd.Function):
         return (out.reshape(x.shape), mean.reshape(size, rows, -1), rstd.reshape(size, rows, -1)), (0, 0, 0)
 
 
-# --------------------------------------------- the user's own loop: any per-record loss
-#: Model kinds (:func:`model_kind`) on which the linearized path failed (-> Opacus's
-#: hooks), with the reason.
-LINEARIZED_FAILED: dict[tuple, str] = {}
-#: Model kinds on which the probe passed (it is not run again for them).
-_LINEARIZED_OK: set[tuple] = set()
-
-
-class BatchMixing(RuntimeError):
-    """A record's output depends on the other records of its batch: no per-record
-    gradient exists, so per-record clipping cannot bound one record's influence (on
-    Opacus's hooks neither)."""
+# ------------------------------------------- the drop-in's DP pass: model kinds
+#: Model kinds (:func:`model_kind`) on which the vectorised pass failed (the drop-in's
+#: DP pass uses Opacus's hooks for them), with the reason.
+FUNC_FAILED: dict[tuple, str] = {}
 
 
 def model_kind(model: nn.Module) -> tuple:
-    """What the probe's verdict holds for: the model's class, the classes of all its
+    """What a verdict on a model holds for: the model's class, the classes of all its
     submodules and its training mode (a dropout layer added, or eval mode, is another kind)."""
     return type(model), tuple(type(m) for m in model.modules()), model.training
-
-
-class FuncGradSampleModule(nn.Module):
-    """Opacus's ``GradSampleModule`` contract by whole-model ``torch.func``, for a
-    training loop that is not ours: after the user's ``loss.backward()`` every
-    trainable parameter of the wrapped model holds ``grad_sample`` (the gradient of
-    each record's term of the loss), whatever the loss function.
-
-    The forward pass runs the model without a graph over its parameters (a plain
-    forward) and returns the output as a leaf that requires a gradient. The user's
-    backward pass stops there; a hook on it receives the loss's gradient in the
-    output, ``G``, from which :meth:`FuncPerSample.backward_linearized` computes
-    every record's parameter gradient ``J_i^T G_i`` in one vectorised forward and
-    backward pass. That is exact for any loss that is a sum (``loss_reduction="sum"``)
-    or mean (``"mean"``: ``G_i`` is then scaled by the batch size, as Opacus does)
-    of one term per record: ``G_i`` depends on record ``i`` alone.
-
-    Cost: one forward pass without a graph plus the vectorised pass, against
-    Opacus's hooked forward and backward plus an ``einsum`` per layer. The first
-    batch of a model class is also run through a probe; a model the transform
-    cannot handle (random layers such as dropout, BatchNorm, data-dependent control
-    flow, an output that is not one tensor with a row per record, keyword
-    arguments) raises :class:`FuncUnsupported` there, before the model's output is
-    used, and the caller falls back to Opacus's hooks.
-    """
-
-    def __init__(self, module: nn.Module, loss_reduction: str = "mean") -> None:
-        super().__init__()
-        self._module = module
-        self.loss_reduction = loss_reduction
-        self.engine = FuncPerSample(module, set_train=False)  # the user's loop sets the mode
-
-    def forward(self, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        trainable = any(p.requires_grad for p in self._module.parameters())
-        if not (torch.is_grad_enabled() and trainable):
-            return self._module(*args, **kwargs)
-        if kwargs:
-            raise FuncUnsupported(f"keyword arguments to forward ({sorted(kwargs)})")
-        if not args or not all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args) or \
-                len({a.shape[0] for a in args}) != 1:
-            raise FuncUnsupported("forward's arguments are not tensors with one row per record")
-        inputs = tuple(a.detach() for a in args)
-        with torch.no_grad():
-            out = self._module(*inputs)
-        if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != inputs[0].shape[0]:
-            raise FuncUnsupported("the model's output is not one tensor with a row per record")
-        kind = model_kind(self._module)
-        if kind not in _LINEARIZED_OK and out.shape[0] > 1:
-            self._probe(inputs, out)
-            _LINEARIZED_OK.add(kind)
-        leaf = out.detach().requires_grad_(True)
-        leaf.register_hook(lambda g: self._per_sample(inputs, g))
-        return leaf
-
-    def _probe(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        """Run the transform once (zero output gradient) and check that each record's
-        output alone equals its row of the batch's output. The model already ran
-        plainly on these inputs, so a failure here is the transform's."""
-        try:
-            self.engine.backward_linearized(inputs, torch.zeros_like(out))
-            params = {k: p.detach() for k, p in self._module.named_parameters()}
-            params.update((k, b.detach()) for k, b in self._module.named_buffers())
-
-            def one(*xs: torch.Tensor) -> torch.Tensor:
-                return functional_call(self._module, params, tuple(x.unsqueeze(0) for x in xs))[0]
-
-            with torch.no_grad():
-                alone = vmap(one, randomness="error", chunk_size=CHUNK)(*inputs)
-        except (MemoryError, torch.OutOfMemoryError):
-            raise
-        except Exception as err:  # noqa: BLE001 - vmap's errors have no common type
-            raise FuncUnsupported(f"{type(err).__name__}: {str(err).strip()}") from err
-        finally:
-            for p in self._module.parameters():
-                p.grad_sample = None
-        if alone.shape != out.shape or not torch.allclose(alone, out, rtol=1e-4, atol=1e-5 * (1 + float(out.abs().max()))):
-            raise BatchMixing("a record's output depends on the other records of its batch (the rows of the "
-                              "model's output are not one record each, or a layer mixes records): per-record "
-                              "clipping cannot bound one record's influence")
-
-    def _per_sample(self, inputs: tuple[torch.Tensor, ...], out_grads: torch.Tensor) -> None:
-        n = out_grads.shape[0]
-        params = [p for p in self._module.parameters() if p.requires_grad]
-        earlier = [getattr(p, "grad_sample", None) for p in params]
-        scale = float(n) if self.loss_reduction == "mean" else 1.0
-        self.engine.backward_linearized(inputs, out_grads, scale)
-        for p, before in zip(params, earlier, strict=True):
-            if before is not None:  # a second backward pass before the step: kept apart, as
-                p.grad_sample = [before, p.grad_sample]  # Opacus's hooks do (the step refuses it)
-
-    def close(self) -> None:
-        """Remove the per-sample gradients (``.grad``, the last step's, stays as Opacus leaves it)."""
-        for p in self._module.parameters():
-            if hasattr(p, "grad_sample"):
-                del p.grad_sample
-
-
-def known_to_work(model: nn.Module) -> bool:
-    """True once :class:`FuncGradSampleModule`'s probe has passed on ``model``'s kind."""
-    return model_kind(model) in _LINEARIZED_OK

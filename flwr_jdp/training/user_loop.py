@@ -1,48 +1,74 @@
-"""DP-SGD inside the user's own training loop (the drop-in client half).
+"""DP-SGD inside the user's own training loop: the drop-in client's DP pass.
 
-The user's ``train(model, loader)`` function keeps its loss, optimizer and loop.
+The user's ``train(model, loader)`` keeps its loss function, optimizer and loop.
 For the duration of :func:`private_training` it is handed
 
-- the user's model wrapped in a :class:`PrivateModule` (per-sample gradients of
-  every trainable parameter, by whole-model ``torch.func`` from the loss's gradient
-  in the model's output, or by Opacus's ``GradSampleModule`` for a model that path
-  cannot handle; the caller freezes what must not be trained), and
 - a :class:`PoissonLoader` over the user's data set (its ``collate_fn`` kept) that
-  yields exactly the ``steps`` Poisson batches of rate ``q`` the server accounts
-  for, in total over however many passes the loop makes;
+  yields exactly the ``steps`` Poisson batches of rate ``q`` the owners agreed to,
+  an ``epochs``-th of them per pass, and
+- the user's model wrapped in a :class:`PrivateModule`, whose forward pass is lazy:
+  it returns the output as a placeholder, and when that output goes into a torch
+  loss function (``nn.CrossEntropyLoss()(out, y)``, ``F.mse_loss``, ...) the DP pass
+  sees the call and computes, in one vectorised pass (``vmap(grad(...))`` over
+  ``functional_call``), each record's own term of that loss, its gradient and its
+  output, computed on the record alone. The user gets the real output and the real
+  loss value; ``loss.backward()`` then has nothing left to do. Models that pass
+  cannot trace go through Opacus's hooks on the same per-record loss, after a
+  check that their output rows are one record each.
 
-and every ``optimizer.step()`` of any optimizer holding the model's parameters is
-preceded by the DP step (a global optimizer pre-step hook, removed on exit): the
-per-unit gradients of the current batch are clipped to ``C`` jointly over the
-trainable parameters, summed, noised by the mechanism module
-(:class:`~flwr_jdp.privacy.mechanisms.GaussianSumMechanism`, std ``z C``) and
-divided by the expected batch size ``q N``, as Opacus's ``DPOptimizer`` does; the
-optimizer then applies that gradient (SGD, Adam, momentum: post-processing).
+Unit, sensitivity and noise (one place): every ``optimizer.step()`` on the model's
+trainable parameters is preceded by the DP step (an optimizer pre-step hook): the
+per-unit gradients of the current batch (records clipped to ``C`` jointly over the
+trainable parameters, averaged within a user under the user unit) are summed, so
+one unit moves the sum by at most ``C``; the mechanism
+(:class:`~flwr_jdp.privacy.mechanisms.GaussianSumMechanism`) adds ``N(0, (z C)^2)``
+and divides by the expected batch ``q N``; the optimizer then applies that gradient
+(post-processing). Each step is ``PoissonSampled(q, Gaussian(z))``, ``steps`` of
+them per round: what the ledgers record (:func:`flwr_jdp.privacy.events.dp_sgd`).
+Under central noise (``capture``) the clipped sum is kept instead and nothing moves.
 
-Unit, sensitivity and noise: one unit (record, or all records of one user) moves
-the summed clipped gradient by at most ``C``; the noise is ``N(0, (z C)^2)``; each
-step is ``PoissonSampled(q, Gaussian(z))``, ``steps`` of them per round, which is
-what the ledgers record (:func:`flwr_jdp.privacy.events.dp_sgd`).
+The DP pass owns the release: it is the trajectory the DP steps make from the
+broadcast, whatever else the train function does. The pass keeps that trajectory
+(every parameter and buffer of the model) and puts it back wherever the train
+function changed it (a ``no_grad`` edit, a hand-written update, ``load_state_dict``
+of a best iterate) before each loss, each step and at the end. The DP steps apply
+the noised gradients with the pass's own copy of the user's optimizer (its class
+and settings at the first step), so a scheduler, ``ReduceLROnPlateau`` on the
+training loss or an edit of the optimizer's state never reach them; the user's
+optimizer itself moves nothing. Steps the train function leaves out (an early stop,
+a skipped batch, fewer passes than ``local-epochs``) are taken by the pass after it
+returns, on the next Poisson batches, with the train function's loss and
+optimizer. Each such thing is logged once on the node. None of this depends on
+the data: what the user's code decides from the data never changes the release,
+and never decides whether the owner refuses.
 
-Checks (each a :class:`UserLoopError` naming the cause): a step without a new
-batch (two steps per batch, or a step before the first batch), per-sample
-gradients missing or of the wrong batch size (a loss that is not averaged or
-summed over the batch, two backward passes per step). Fewer steps than planned is allowed (the ledger has charged the planned ones: the
-accounting is then conservative) and logged once.
+The round is refused (:class:`UserLoopError`, nothing sent, the round already
+charged) only for code whose records cannot be kept apart, whatever the data:
+
+- the model's inputs or the loss's target are not tensors of the current batch
+  (moved to a device, cast or reshaped is fine; records transformed or mixed inside
+  the loop, such as mixup, are not);
+- the loss is not a torch loss function on the model's output (a hand-written loss,
+  the output transformed first), or a second loss on one batch's output;
+- per-record weights in the loss, ``step(closure)``, keyword arguments to the
+  model, a model whose output rows are not one record each (Opacus's path), or a
+  train function that takes no DP step at all.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from logging import WARNING
 
 import torch
+import torch.nn.functional as F
 from flwr.common import log
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
 from .. import import_opacus_quietly
@@ -52,9 +78,16 @@ from .dp_sgd import UnitBatch, _draw_batch, batch_sums
 
 
 class UserLoopError(RuntimeError):
-    """The user's training loop does something DP-SGD cannot account for."""
+    """The user's training loop does something DP-SGD cannot account for.
+    ``structural``: a rule of the DP pass the train function's code breaks (it will
+    break it again next round)."""
+
+    def __init__(self, message: str, *, structural: bool = False) -> None:
+        super().__init__(message)
+        self.structural = structural
 
 
+# ------------------------------------------------------------------ the batches
 class PoissonBatches:
     """Batch sampler: ``steps`` Poisson samples of units at ``rate`` in total, an
     ``epochs``-th of them (rounded up) per pass over the loader, so a train function
@@ -74,6 +107,9 @@ class PoissonBatches:
         self.passes = 0
         self.empty_passes = 0
         self.current: UnitBatch | None = None
+        self.tensors: list[torch.Tensor] = []  # the tensors of the current collated batch
+        #: called with (draw number, sample, tensors) once each drawn batch is collated
+        self.on_batch: Callable | None = None
 
     def __len__(self) -> int:
         # The batches the next pass yields; once all are taken, a full pass's count
@@ -86,11 +122,14 @@ class PoissonBatches:
             self.empty_passes += 1
         quota = self.per_pass
         while self.drawn < self.steps and quota > 0:
-            self.current = _draw_batch(self.unit_of_record, self.num_units, self.rate,
-                                       self.generator, self.secure)
-            self.drawn += 1
             quota -= 1
-            yield self.current.records.tolist()
+            yield self.draw()
+
+    def draw(self) -> list[int]:
+        """The next Poisson sample (the records' indices)."""
+        self.current = _draw_batch(self.unit_of_record, self.num_units, self.rate, self.generator, self.secure)
+        self.drawn += 1
+        return self.current.records.tolist()
 
 
 def _empty_like(batch):
@@ -104,6 +143,16 @@ def _empty_like(batch):
     return batch
 
 
+def _tensors_of(batch) -> list[torch.Tensor]:  # noqa: ANN001
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors_of(v)]
+    if isinstance(batch, list | tuple):
+        return [t for v in batch for t in _tensors_of(v)]
+    return []
+
+
 class PoissonLoader(DataLoader):
     """The user's data set in the server's Poisson batches (the user's
     ``collate_fn``). An empty sample is yielded as a batch of zero rows (its step is
@@ -115,103 +164,615 @@ class PoissonLoader(DataLoader):
         collate = collate_fn or default_collate
 
         def collate_or_empty(items):
-            if items:
-                return collate(items)
-            return _empty_like(collate([dataset[0]]))
+            batch = collate(items) if items else _empty_like(collate([dataset[0]]))
+            sampler.tensors = _tensors_of(batch)
+            if sampler.on_batch is not None:
+                sampler.on_batch(sampler.drawn, sampler.current, sampler.tensors)
+            return batch
 
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_or_empty, num_workers=0)
         self.poisson = sampler
+        self.collate_or_empty = collate_or_empty
+
+    def next_batch(self):  # noqa: ANN201 - the user's collated structure
+        """Draw the next Poisson sample and collate it, outside the user's loop."""
+        return self.collate_or_empty([self.dataset[i] for i in self.poisson.draw()])
 
 
-@dataclass
-class _DPStep:
-    """The optimizer pre-step hook: replaces the gradients of ``params`` by the
-    noised, normalised sum of clipped per-unit gradients of the current batch
-    (``capture``: keeps the un-noised clipped sum instead and zeroes the gradients;
-    the central-noise release)."""
+@dataclass(frozen=True)
+class _Source:
+    """Where a tensor the model or the loss got comes from: the batch's tensor number
+    ``index``, moved to ``device``, cast to ``dtype`` and reshaped to ``shape`` with
+    its first dimension ``rows_per_record`` times the batch size."""
 
-    params: list[nn.Parameter]
-    sampler: PoissonBatches
-    clipping_norm: float
-    mechanism: GaussianSumMechanism | None
-    generator: torch.Generator
-    capture: bool = False
-    steps_taken: int = 0
-    captured: list[torch.Tensor] | None = None
-    _ids: set[int] = field(default_factory=set)
-    _last_draw: int = 0  # the sampler's draw the last step used
+    index: int
+    dtype: torch.dtype
+    device: torch.device
+    tail: tuple[int, ...]
+    rows_per_record: int
 
-    def __post_init__(self) -> None:
-        self._ids = {id(p) for p in self.params}
+    def of(self, batch: list[torch.Tensor], n: int) -> torch.Tensor:
+        t = batch[self.index].to(self.device, self.dtype)
+        return t.reshape(n * self.rows_per_record, *self.tail)
 
-    def __call__(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if not any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"]):
-            return  # another optimizer (not this model's)
-        batch = self.sampler.current
-        if batch is None or self.steps_taken >= self.sampler.drawn or self._last_draw == self.sampler.drawn:
-            raise UserLoopError("optimizer.step() was called without a new batch from the private "
-                                "loader: take exactly one step per batch")
-        others = [p for g in optimizer.param_groups for p in g["params"]
-                  if id(p) not in self._ids and p.grad is not None]
-        if others:  # e.g. personal parameters the train function unfroze: not in the release
-            raise UserLoopError(f"the train function gave gradients to {len(others)} parameters outside "
-                                "the private release (personal parameters unfrozen?): leave requires_grad "
-                                "as the model is handed over")
-        self._last_draw = self.sampler.drawn
-        n = len(batch.records)
+
+def _source(t: torch.Tensor, batch: list[torch.Tensor], n: int, rows_exact: bool) -> _Source | None:
+    """Which of the batch's tensors ``t`` is, moved, cast or reshaped (so that its
+    rows, in blocks of ``t.shape[0] / n``, are the records' own values); None if none."""
+    if t.dim() == 0 or t.shape[0] % max(n, 1) or (rows_exact and t.shape[0] != n):
+        return None
+    for i, b in enumerate(batch):
+        if b.dim() == 0 or b.shape[0] != n or b.numel() != t.numel() or (n == 0 and b.shape[1:] != t.shape[1:]):
+            continue
+        if b is t or torch.equal(b.detach().to(t.device, t.dtype).reshape(t.shape), t.detach()):
+            return _Source(i, t.dtype, t.device, tuple(t.shape[1:]), t.shape[0] // n if n else 1)
+    return None
+
+
+# ------------------------------------------------------------ the lazy output
+#: Loss functions whose call on the model's output the DP pass computes record by
+#: record. A record's term is the function on its own rows, its elements summed
+#: (``reduction="sum"``) or averaged over the record's elements (``"mean"`` and
+#: ``"none"``; as Opacus's ``loss_reduction="mean"``, but class weights and ignored
+#: positions never rescale one record by the others).
+LOSSES = (F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+          F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.soft_margin_loss,
+          F.multilabel_soft_margin_loss, F.poisson_nll_loss)
+#: Reshapes (and no-op casts) that keep each record's values in one block of rows
+#: (checked: the result shares the output's memory and has a multiple of its rows).
+_RESHAPES = (torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.flatten, torch.reshape, torch.flatten,
+             torch.Tensor.contiguous, torch.Tensor.squeeze, torch.squeeze, torch.Tensor.unsqueeze,
+             torch.unsqueeze, torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.float, torch.Tensor.to)
+#: Reads of a tensor's metadata (no value read).
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
+             torch.Tensor.register_hook, torch.Tensor.__hash__}
+_METADATA_NAMES = {"shape", "ndim", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "grad",
+                   "layout", "is_cuda", "names", "_version", "data_ptr", "_backward_hooks"}
+
+
+@dataclass(eq=False)
+class _Forward:
+    """One grad-enabled call of the private model: its inputs and the placeholder
+    of its output, filled once the values are known."""
+
+    inputs: tuple[torch.Tensor, ...]
+    sources: tuple
+    draw: int
+    values: torch.Tensor
+    filled: bool = False
+    consumed: bool = False
+
+
+class PendingOutput(torch.Tensor):
+    """The private model's output until a loss function is applied to it: any other
+    use first fills in its values (a plain forward pass); a loss function is computed
+    by the DP pass record by record (:meth:`_DPPass.loss`)."""
+
+    _fwd: _Forward
+    _pass: _DPPass
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        if func in _METADATA or getattr(func, "__name__", "") == "__get__" and \
+                getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_NAMES:
+            with torch._C.DisableTorchFunctionSubclass():  # noqa: SLF001
+                return func(*args, **kwargs)
+        first = args[0] if args else kwargs.get("input")
+        if isinstance(first, PendingOutput):
+            if func in LOSSES:
+                return first._pass.loss(func, args, kwargs)
+            if func in _RESHAPES and not first._fwd.filled:
+                view = first._pass.reshaped(first, func, args, kwargs)
+                if view is not None:
+                    return view
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, list | tuple) else (a,):
+                if isinstance(t, PendingOutput):
+                    t._pass.fill(t._fwd)
+        with torch._C.DisableTorchFunctionSubclass():  # noqa: SLF001
+            return func(*args, **kwargs)
+
+
+def _pending(values: torch.Tensor, fwd: _Forward, dp_pass: _DPPass) -> PendingOutput:
+    out = torch.Tensor._make_subclass(PendingOutput, values, True)  # noqa: SLF001
+    out._fwd, out._pass = fwd, dp_pass
+    out.register_hook(dp_pass.foreign_gradient)
+    return out
+
+
+# ------------------------------------------------------------------ the DP pass
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if b.device != a.device:
+        b = b.to(a.device)
+    if torch.equal(a, b):
+        return True
+    return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def _same_setting(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _equal(a, b)
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same_setting(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@dataclass(frozen=True)
+class _LossCall:
+    """The user's loss as the DP pass computes it record by record (kept to take the
+    steps the train function left out)."""
+
+    func: Callable
+    params: dict
+    reduction: str
+    inputs: tuple[_Source, ...]
+    target: _Source
+    rest: tuple[int, ...]  # the shape of one row of the loss's input
+    k: int  # rows per record (0: seen on an empty batch only)
+
+    def same(self, other: _LossCall) -> bool:
+        return (self.func is other.func and self.reduction == other.reduction and self.inputs == other.inputs
+                and self.target == other.target and self.rest == other.rest and self.k == other.k
+                and self.params.keys() == other.params.keys()
+                and all(_same_setting(self.params[key], other.params[key]) for key in self.params))
+
+    def one(self) -> Callable:
+        """A record's term: the loss on its own rows, summed or averaged over them."""
+        k, rest, trest = self.k or 1, self.rest, self.target.tail
+
+        def loss_one(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            terms = self.func(o.reshape(k, *rest), t.reshape(k, *trest), reduction="none", **self.params)
+            return terms.sum() if self.reduction == "sum" else terms.sum() / terms.numel()
+        return loss_one
+
+
+class _DPPass:
+    """One DP pass: the trajectory the DP steps make (``expected``: every parameter and
+    buffer of the model), the current batch's per-record gradients, the optimizer the
+    DP steps use, and what the train function did that the pass set aside."""
+
+    def __init__(self, model: nn.Module, loader: PoissonLoader, clipping_norm: float,
+                 mechanism: GaussianSumMechanism | None, generator: torch.Generator, capture: bool) -> None:
+        self.model = model
+        self.loader = loader
+        self.sampler = loader.poisson
+        self.clipping_norm = clipping_norm
+        self.mechanism = mechanism
+        self.generator = generator
+        self.capture = capture
+        self.named = dict(model.named_parameters())
+        self.trainable = {n for n, p in self.named.items() if p.requires_grad}
+        self.params = [p for n, p in self.named.items() if n in self.trainable]
+        self.tracked = {f"p:{n}": p for n, p in self.named.items()}
+        self.tracked.update((f"b:{n}", b) for n, b in model.named_buffers())
+        self.expected = self._values()
+        self.engine: per_sample.FuncPerSample | None = None
+        self.gsm = None
+        self.user_optimizer: torch.optim.Optimizer | None = None
+        self.first_settings: list[dict] = []
+        self.optimizer: torch.optim.Optimizer | None = None  # the DP steps' own copy of it
+        self.last_loss: _LossCall | None = None
+        self.ready_draw = 0  # the draw whose per-record gradients are in grad_sample
+        #: drawn batches not yet stepped on, by draw number: DP step k uses draw k, always
+        self.unstepped: dict[int, tuple[UnitBatch, list[torch.Tensor]]] = {}
+        self.sampler.on_batch = lambda d, sample, tensors: self.unstepped.__setitem__(d, (sample, tensors))
+        self.steps_taken = 0
+        self.steps_completed = 0  # taken by the pass after the train function returned
+        self.captured: list[torch.Tensor] | None = None
+        self.refusal: str | None = None
+        self.foreign = False
+        self.inside = False
+        self.set_aside: dict[str, str] = {}
+        self.shapes = _SHAPES
+        #: the model's kind and parameter shapes (what the cached shapes and layer roles hold for)
+        self.kind = (per_sample.model_kind(model), tuple((n, tuple(p.shape)) for n, p in self.named.items()))
+        self.checked_kinds: set[tuple] = set()
+
+    # ------------------------------------------------------- refusals and notes
+    def refuse(self, reason: str) -> None:
+        """Record the first violation (a train function that catches the error still
+        has its round refused) and raise it."""
+        if self.refusal is None:
+            self.refusal = reason
+        raise UserLoopError(self.refusal, structural=True)
+
+    def note(self, key: str, text: str) -> None:
+        """Something the train function did that the DP pass set aside (logged once, at the end)."""
+        self.set_aside.setdefault(key, text)
+
+    # ------------------------------------------------------------ the trajectory
+    def _values(self) -> dict[str, torch.Tensor]:
+        return {k: t.detach().clone() for k, t in self.tracked.items()}
+
+    def restore(self, when: str) -> None:
+        """Put back what the last DP step left wherever the train function changed it
+        (a no_grad edit, a hand-written update, a restored iterate): the DP steps run
+        on, and release, their own trajectory only."""
+        changed = []
+        with torch.no_grad():
+            for key, t in self.tracked.items():
+                want = self.expected[key]
+                if want.device != t.device:  # a moved model: follow it
+                    want = self.expected[key] = want.to(t.device)
+                if not _equal(t.detach(), want):
+                    t.copy_(want)
+                    changed.append(key[2:])
+        if changed:
+            self.note("changed", f"the train function changed {changed[:3]} outside the DP steps ({when}); the "
+                                 "DP pass put back the values its steps had made (no_grad edits, hand-written "
+                                 "updates and restored iterates do not reach the release)")
+
+    def foreign_gradient(self, grad: torch.Tensor) -> None:
+        """Hook on the private output: a gradient reaching it did not come through a
+        loss function the DP pass computed record by record."""
+        self.foreign = True
+
+    # ------------------------------------------------------------- forward
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not self.trainable:
+            return module(*args, **kwargs)
+        if kwargs:
+            self.refuse(f"keyword arguments to the model's forward ({sorted(kwargs)}) are not supported "
+                        "in the DP pass")
+        batch = self.sampler.tensors
+        n = len(self.sampler.current.records) if self.sampler.current is not None else -1
+        sources = tuple(_source(a, batch, n, rows_exact=True) if isinstance(a, torch.Tensor) else None
+                        for a in args)
+        if n < 0 or not args or any(s is None for s in sources):
+            self.refuse("the model's input is not a tensor of the private loader's current batch (moving it to "
+                        "a device, casting or reshaping it is fine): transform records in the data set (its "
+                        "transform or collate_fn), not in the train function; mixing the records of a batch "
+                        "(mixup) breaks per-record clipping")
+        return self._pending(module, tuple(a.detach() for a in args), sources, n)
+
+    def _pending(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], sources: tuple, n: int,
+                 draw: int | None = None) -> PendingOutput:
+        draw = self.sampler.drawn if draw is None else draw
+        if n == 0:
+            with torch.no_grad():
+                values = module(*inputs)
+            fwd = _Forward(inputs, sources, draw, values, filled=True)
+        else:
+            shape, dtype, device = self._record_shape(module, inputs)
+            fwd = _Forward(inputs, sources, draw, torch.full((n, *shape), float("nan"), dtype=dtype, device=device))
+        return _pending(fwd.values, fwd, self)
+
+    def _record_shape(self, module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple:
+        key = (self.kind, *((tuple(a.shape[1:]), a.dtype, a.device) for a in inputs))
+        if key not in self.shapes:
+            with torch.no_grad():
+                one = module(*(a[:1] for a in inputs))
+            if not isinstance(one, torch.Tensor) or one.dim() == 0 or one.shape[0] != 1:
+                self.refuse("the model's output must be one tensor with a row per record")
+            self.shapes[key] = (tuple(one.shape[1:]), one.dtype, one.device)
+        return self.shapes[key]
+
+    def fill(self, fwd: _Forward) -> None:
+        """The output's values, for a use other than a loss function (one plain forward)."""
+        if fwd.filled:
+            return
+        with torch.no_grad():
+            fwd.values.copy_(self.model(*fwd.inputs))
+        fwd.filled = True
+
+    def reshaped(self, out: PendingOutput, func, args, kwargs) -> PendingOutput | None:  # noqa: ANN001
+        with torch._C.DisableTorchFunctionSubclass():  # noqa: SLF001
+            view = func(*(a.as_subclass(torch.Tensor) if isinstance(a, PendingOutput) else a for a in args),
+                        **kwargs)
+        n = out._fwd.values.shape[0]
+        if not isinstance(view, torch.Tensor) or view.dim() == 0 or view.shape[0] % n or \
+                view.data_ptr() != out._fwd.values.data_ptr() or view.dtype != out.dtype:
+            return None
+        return _pending(view, out._fwd, self)
+
+    # ---------------------------------------------------------------- loss
+    def loss(self, func, args: tuple, kwargs: dict) -> torch.Tensor:  # noqa: ANN001
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        params = dict(bound.arguments)
+        out, target = params.pop("input"), params.pop("target", None)
+        for legacy in ("size_average", "reduce"):
+            if params.get(legacy) is not None:
+                self.refuse(f"the loss's deprecated argument '{legacy}' is not supported: use reduction")
+            params.pop(legacy, None)
+        reduction = params.pop("reduction", "mean")
+        fwd = out._fwd
+        n = fwd.values.shape[0]
+        if fwd.draw != self.sampler.drawn or fwd.consumed:
+            self.refuse("one loss per batch, on the model's output for the current batch of the private loader")
+        target_source = _source(target, self.sampler.tensors, n, rows_exact=False) \
+            if isinstance(target, torch.Tensor) else None
+        if target_source is None:
+            self.refuse("the loss's target is not a tensor of the private loader's current batch (moving it to "
+                        "a device, casting or reshaping it is fine): transform records in the data set, not "
+                        "in the train function")
+        if out.shape[0] != target.shape[0]:
+            self.refuse("the loss's input and target have different numbers of rows")
+        for name, value in params.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= out.dim():
+                self.refuse(f"the loss's '{name}' has a value per record: weights must be per class")
+        k = out.shape[0] // n if n else 0
+        call = _LossCall(func, params, reduction, fwd.sources, target_source, tuple(out.shape[1:]), k)
+        if n and self.last_loss is not None and self.last_loss.k and not self.last_loss.same(call):
+            self.refuse("the loss function or its arguments (class weights, ...) changed between batches: one "
+                        "loss, with constant arguments, for the whole DP pass")
+        if n or self.last_loss is None:  # an empty batch's call says less (its rows per record)
+            self.last_loss = call
+        fwd.consumed = True
+        self._catch_up(fwd.draw)
+        self._gradients(fwd, target.detach(), call)
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # noqa: SLF001
+            value = func(out.as_subclass(torch.Tensor), target, reduction=reduction, **params)
+        return value.detach().requires_grad_(True)
+
+    def _catch_up(self, draw: int) -> None:
+        """DP steps on the drawn batches before ``draw`` that the train function did not
+        step on, in draw order, with its loss (so that step k always uses draw k). Until
+        the train function's first step the pass has no optimizer: they wait (the end of
+        the pass takes them, or refuses)."""
+        if self.optimizer is None and not self.capture:
+            return
+        for d in sorted(x for x in self.unstepped if x < draw):
+            self.note("steps", "the train function left DP steps untaken (a skipped batch, an early stop, or "
+                               "fewer passes over the loader than local-epochs); the DP pass took them, on their "
+                               "own batches in order, with the train function's loss and optimizer")
+            self._step_on(d)
+
+    def _step_on(self, draw: int) -> None:
+        """One DP step on drawn batch ``draw``, taken by the pass with the last loss."""
+        call = self.last_loss
+        assert call is not None
+        sample, tensors = self.unstepped[draw]
+        n = len(sample.records)
+        inputs = tuple(s.of(tensors, n) for s in call.inputs)
+        with torch.no_grad():
+            fwd = self._pending(self.model, inputs, call.inputs, n, draw)._fwd
+        self._gradients(fwd, call.target.of(tensors, n), call)
+        self._dp_step(draw)
+
+    def _gradients(self, fwd: _Forward, target: torch.Tensor, call: _LossCall) -> None:
+        """Each record's gradient of its own term (``grad_sample``), at the trajectory's
+        parameters; fills the output with each record's output."""
+        self.restore("before a loss")
         for p in self.params:
-            gs = getattr(p, "grad_sample", None)
-            if n and (gs is None or not isinstance(gs, torch.Tensor | per_sample.OuterProducts) or len(gs) != n):
-                got = ("none" if gs is None else tuple(gs.shape) if isinstance(gs, torch.Tensor)
-                       else f"{len(gs)} rows" if isinstance(gs, per_sample.OuterProducts)
-                       else f"{len(gs)} backward passes" if isinstance(gs, list) else type(gs).__name__)
-                raise UserLoopError(
-                    f"per-sample gradients of a batch of {n} records expected, got {got}: call "
-                    "loss.backward() exactly once per batch, on the model passed to your train "
-                    "function, with a loss averaged over the batch")
-        sums = batch_sums(self.params, batch, self.clipping_norm)
+            p.grad_sample = None  # (Opacus's hooks add to what is there)
+        n = fwd.values.shape[0]
+        if n:
+            values = self._per_record(fwd, target.reshape(n, call.k or 1, *call.target.tail), call.one())
+            if not fwd.filled:
+                with torch.no_grad():
+                    fwd.values.copy_(values.reshape(fwd.values.shape))
+                fwd.filled = True
+        else:
+            for p in self.params:
+                p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+        self.ready_draw = fwd.draw
+
+    def _per_record(self, fwd: _Forward, targets: torch.Tensor, loss_one) -> torch.Tensor:  # noqa: ANN001
+        kind = per_sample.model_kind(self.model)
+        if per_sample.BACKEND != "opacus" and kind not in per_sample.FUNC_FAILED:
+            try:
+                if self.engine is None:
+                    self.engine = per_sample.FuncPerSample(self.model, set_train=False)
+                    self.engine.single_row_linear = _LINEAR.get((self.kind, *(a.shape[1:] for a in fwd.inputs)))
+                self.engine._per_record(fwd.inputs, targets, loss_one, len(targets),  # noqa: SLF001
+                                        randomness="different", trainable=self.trainable)
+                _LINEAR[(self.kind, *(a.shape[1:] for a in fwd.inputs))] = self.engine.single_row_linear
+                return self.engine.outputs
+            except (MemoryError, torch.OutOfMemoryError):
+                raise
+            except Exception as err:  # noqa: BLE001 - vmap's errors have no common type
+                if per_sample.BACKEND == "func":
+                    self.refuse(f"per-sample gradients by torch.func failed: {type(err).__name__}")
+                reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                per_sample.FUNC_FAILED[kind] = reason
+                log(WARNING, "per-sample gradients of %s: torch.func cannot handle the model (%s); using "
+                    "Opacus's hooks", type(self.model).__qualname__, reason)
+                for p in self.params:
+                    p.grad_sample = None
+        return self._opacus(fwd, targets, loss_one, kind)
+
+    def _opacus(self, fwd: _Forward, targets: torch.Tensor, loss_one, kind: tuple) -> torch.Tensor:  # noqa: ANN001
+        if self.gsm is None:
+            import_opacus_quietly()
+            from opacus import GradSampleModule
+
+            try:
+                self.gsm = GradSampleModule(self.model, loss_reduction="sum")
+            except Exception as err:  # noqa: BLE001 - Opacus names the unsupported layer
+                self.refuse(f"the model cannot be trained with per-sample gradients ({type(err).__name__})")
+        n = len(targets)
+        if kind not in self.checked_kinds and n > 1:
+            self._check_rows_are_records(fwd.inputs)
+            self.checked_kinds.add(kind)
+        if any(p.requires_grad for name, p in self.named.items() if name not in self.trainable):
+            self.refuse("the train function unfroze parameters outside the release (personal layers?): leave "
+                        "requires_grad as the model is handed over")
+        try:
+            out = self.gsm(*fwd.inputs)
+            terms = torch.stack([loss_one(out[i:i + 1], targets[i]) for i in range(n)])
+            terms.sum().backward()
+        finally:
+            for p in self.named.values():
+                p.grad = None  # the raw batch gradient is never seen
+        return out.detach()
+
+    def _check_rows_are_records(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Opacus's hooks take row ``i`` of each layer as record ``i``'s: check, in eval
+        mode (no random layer), that each record's output alone is its row of the batch's."""
+        modes = [(m, m.training) for m in self.model.modules()]
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                batch = self.model(*inputs)
+                m = min(len(batch), 16)
+                alone = torch.cat([self.model(*(a[i:i + 1] for a in inputs)) for i in range(m)])
+        finally:
+            for mod, mode in modes:
+                mod.training = mode
+        rows = batch[:m]
+        finite = torch.isfinite(rows).reshape(m, -1).all(1) & torch.isfinite(alone).reshape(m, -1).all(1)
+        scale = 1.0 + float(rows[finite].abs().max()) if bool(finite.any()) else 1.0
+        if not torch.allclose(alone[finite], rows[finite], rtol=1e-4, atol=1e-5 * scale):
+            self.refuse("a record's output depends on the other records of its batch (BatchNorm without running "
+                        "statistics, or a layer that mixes records): per-record clipping cannot bound one "
+                        "record's influence")
+
+    # ---------------------------------------------------------------- steps
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        ids = {id(p) for p in self.params}
+        return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """The user's ``optimizer.step()``: the DP step, if this batch has per-record
+        gradients and no step yet; either way the user's optimizer itself moves none of
+        the model's trainable parameters (their gradients are cleared before it runs)."""
+        if self.inside or not self.owns(optimizer):
+            return  # the DP step's own optimizer, or another model's
+        if self.refusal is not None:
+            raise UserLoopError(self.refusal, structural=True)
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: the optimizer
+            self.refuse("optimizer.step(closure) re-evaluates the loss inside the step: call step() without a "
+                        "closure")
+        if self.user_optimizer is None:
+            self.user_optimizer, self.first_settings = optimizer, _settings(optimizer)
+            self.optimizer = self._copy(optimizer)
+        elif optimizer is not self.user_optimizer:
+            self.note("optimizer", "a second optimizer stepped the model; the DP steps kept using a copy of the "
+                                   "first one")
+        if any(p.grad is not None for p in self.params):
+            self.note("grads", "gradients reached the trainable parameters other than through the loss "
+                               "function on the model's output (a weight penalty?); the DP steps ignored them "
+                               "(use the optimizer's weight_decay)")
+        if self.foreign:
+            self.refuse("a gradient reached the model's output outside a torch loss function (a hand-written "
+                        "loss, or the output transformed before the loss): pass the output straight to a torch "
+                        "loss function (reshaping it is fine)")
+        draw = self.sampler.drawn
+        if draw in self.unstepped and self.ready_draw == draw and min(self.unstepped) == draw:
+            self._dp_step(draw)
+        else:
+            self.note("step", "optimizer.step() was called without a new batch and a loss on it (a second "
+                              "step per batch?); the DP pass did not step there")
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                p.grad = None  # the user's optimizer moves nothing of the model's
+
+    def _copy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """A fresh optimizer of the user's class and settings (as the first step found
+        them) over the trainable parameters: what the DP steps apply the noised
+        gradients with; settings or state changed later on the user's optimizer do
+        not reach it."""
+        ours = {id(p) for p in self.params}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [p for p in g["params"] if id(p) in ours]} for g in optimizer.param_groups]
+        groups = [g for g in groups if g["params"]]
+        held = {id(p) for g in groups for p in g["params"]}
+        if held != ours:
+            self.refuse("one optimizer must hold every trainable parameter of the model")
+        try:
+            return type(optimizer)(groups, **optimizer.defaults)
+        except Exception as err:  # noqa: BLE001 - a custom optimizer's constructor
+            self.refuse(f"the DP pass could not make its copy of the optimizer ({type(optimizer).__name__}: "
+                        f"{type(err).__name__}): use a torch.optim optimizer")
+            raise
+
+    def _dp_step(self, draw: int) -> None:
+        """Clip, sum, noise; apply with the DP pass's optimizer on the trajectory."""
+        sample, _ = self.unstepped.pop(draw)
+        n = len(sample.records)
+        if any(not isinstance(getattr(p, "grad_sample", None), torch.Tensor | per_sample.OuterProducts)
+               or len(p.grad_sample) != n for p in self.params):
+            self.refuse("the per-record gradients of this batch are missing (the model in eval mode on "
+                        "Opacus's path?)")
+        self.restore("before a step")
+        sums = batch_sums(self.params, sample, self.clipping_norm)
+        for p in self.params:
+            p.grad_sample = None
         if self.capture:
             self.captured = sums if self.captured is None else [a + b for a, b in zip(self.captured, sums, strict=True)]
-            grads = [torch.zeros_like(p) for p in self.params]
         else:
-            assert self.mechanism is not None
+            assert self.mechanism is not None and self.optimizer is not None
             grads = self.mechanism.release_torch(sums, self.generator)
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g.to(p.dtype)
-            p.grad_sample = None
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g.to(p.dtype)
+            self.inside = True
+            try:
+                self.optimizer.step()
+            finally:
+                self.inside = False
+                for p in self.params:
+                    p.grad = None
+        self.expected = self._values()
         self.steps_taken += 1
 
+    def after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self.inside and self.owns(optimizer):
+            self.restore("in the user's optimizer step")
 
-#: Warnings given once per process.
-_WARNED = {"epochs": False}
+    # -------------------------------------------------------------- the end
+    def finish(self, steps: int, epochs: int) -> None:
+        """After the train function: the trajectory put back, the steps it left out
+        taken with its own loss function and optimizer, and what was set aside logged."""
+        if self.refusal is not None:
+            raise UserLoopError(self.refusal, structural=True)
+        now = {f"p:{n}": p for n, p in self.model.named_parameters()}
+        now.update((f"b:{n}", b) for n, b in self.model.named_buffers())
+        if now.keys() != self.tracked.keys() or any(now[k] is not t for k, t in self.tracked.items()):
+            self.refuse("the train function replaced the model's parameters or buffers (assign new values with "
+                        "the optimizer, not new Parameter objects)")
+        self.restore("after the last DP step")
+        if self.steps_taken < steps:
+            if self.last_loss is None or (self.optimizer is None and not self.capture):
+                self.refuse("the train function took no DP step (no torch loss on the model's output followed by "
+                            "optimizer.step()): take one step per batch of the private loader")
+            before = self.steps_taken
+            self.note("steps", f"the train function left DP steps untaken (a skipped batch, an early stop, or "
+                               f"fewer passes over the loader than local-epochs = {epochs}); the DP pass took "
+                               "them, on their own batches in order, with the train function's loss and optimizer")
+            self._catch_up(self.sampler.drawn + 1)
+            while self.steps_taken < steps:
+                self.loader.next_batch()
+                self._step_on(self.sampler.drawn)
+            self.steps_completed = self.steps_taken - before
+        if self.user_optimizer is not None:
+            now_settings = _settings(self.user_optimizer)
+            changed = sorted({k for a, b in zip(now_settings, self.first_settings, strict=False)
+                              for k in a.keys() | b.keys() if not _same_setting(a.get(k), b.get(k))})
+            if changed:
+                self.note("settings", f"the optimizer's {changed[:3]} changed during the DP pass (a scheduler?); "
+                                      "the DP steps kept the first step's settings")
+        for text in self.set_aside.values():
+            log(WARNING, "DP pass: %s", text)
+
+    def close(self) -> None:
+        self.sampler.on_batch = None
+        for p in self.model.parameters():
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+        if self.engine is not None:
+            self.engine.close()
+        if self.gsm is not None:
+            self.gsm._close()  # noqa: SLF001 - removes Opacus hooks, leaves the plain model
 
 
 class PrivateModule(nn.Module):
-    """The user's model as their train function sees it inside :func:`private_training`:
-    per-sample gradients of its trainable parameters by whole-model ``torch.func``
-    (:class:`~flwr_jdp.training.per_sample.FuncGradSampleModule`), or by Opacus's
-    hooks (``GradSampleModule``) for a model class that path cannot handle, found on
-    the first batch (one log line per class) or named by ``FLWR_JDP_PER_SAMPLE``
-    (``opacus``; ``func``: no fallback). Its parameters are the model's, named
-    ``_module.<name>`` as Opacus names them; any other attribute (``net.fc3``,
+    """The user's model as their train function sees it inside :func:`private_training`.
+
+    Its forward pass returns a lazy output (:class:`PendingOutput`); a torch loss
+    function on it is computed record by record. Its parameters are the model's,
+    named ``_module.<name>`` as Opacus names them; any other attribute (``net.fc3``,
     a method of the model) is the model's own."""
 
-    def __init__(self, model: nn.Module, loss_reduction: str) -> None:
+    def __init__(self, model: nn.Module, dp_pass: _DPPass) -> None:
         super().__init__()
         self._module = model
-        self.loss_reduction = loss_reduction
-        self._func: per_sample.FuncGradSampleModule | None = None
-        self._gsm = None
-        backend = per_sample.BACKEND
-        if backend == "opacus" or (backend == "auto" and per_sample.model_kind(model) in per_sample.LINEARIZED_FAILED):
-            self._use_opacus()
-        else:
-            try:
-                self._func = per_sample.FuncGradSampleModule(model, loss_reduction)
-            except per_sample.FuncUnsupported as err:
-                if backend == "func":
-                    raise UserLoopError(f"per-sample gradients by torch.func: {err}") from err
-                self._fall_back(err)
+        object.__setattr__(self, "_dp_pass", dp_pass)
 
     def __getattr__(self, name: str):  # noqa: ANN204 - whatever the model's attribute is
         try:
@@ -224,62 +785,21 @@ class PrivateModule(nn.Module):
     @property
     def path(self) -> str:
         """``torch.func`` or ``opacus``: how the per-sample gradients are computed."""
-        return "opacus" if self._gsm is not None else "torch.func"
-
-    def _use_opacus(self) -> None:
-        import_opacus_quietly()
-        from opacus import GradSampleModule
-
-        try:  # not a registered submodule: the parameters stay named _module.<name>
-            object.__setattr__(self, "_gsm", GradSampleModule(self._module, loss_reduction=self.loss_reduction))
-        except Exception as err:  # noqa: BLE001 - Opacus names the unsupported layer
-            raise UserLoopError(f"the model cannot be trained with per-sample gradients: {err}") from err
-
-    def _fall_back(self, err: Exception) -> None:
-        kind = per_sample.model_kind(self._module)
-        if kind not in per_sample.LINEARIZED_FAILED:
-            reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-            per_sample.LINEARIZED_FAILED[kind] = reason
-            log(WARNING, "per-sample gradients of %s: torch.func cannot handle the model (%s); "
-                "using Opacus's hooks", type(self._module).__qualname__, reason)
-        if self._func is not None:
-            self._func.close()
-            self._func = None
-        self._use_opacus()
+        return "opacus" if self._dp_pass.gsm is not None else "torch.func"
 
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        if self._gsm is not None:
-            return self._gsm(*args, **kwargs)
-        assert self._func is not None
-        if per_sample.BACKEND == "func" or per_sample.known_to_work(self._module):
-            return self._func(*args, **kwargs)
-        devices = sorted({p.device.index for p in self._module.parameters() if p.device.type == "cuda"})
-        with torch.random.fork_rng(devices=devices):
-            try:  # on failure the fallback redraws a random layer's draws from the same state
-                return self._func(*args, **kwargs)
-            except per_sample.FuncUnsupported as err:  # before the output was used
-                failed = err
-            except per_sample.BatchMixing as err:
-                raise UserLoopError(str(err)) from err
-        self._fall_back(failed)
-        return self._gsm(*args, **kwargs)
-
-    def close(self) -> None:
-        """Remove hooks and per-sample gradients; the model is left as it came."""
-        for p in self._module.parameters():
-            p.grad_sample = None
-        if self._func is not None:
-            self._func.close()
-        if self._gsm is not None:
-            self._gsm._close()  # noqa: SLF001 - removes Opacus hooks, leaves the plain model
+        return self._dp_pass.forward(self._module, args, kwargs)
 
 
 @dataclass
 class PrivateRound:
-    """What :func:`private_training` did: steps taken and (``capture``) the clipped sum."""
+    """What :func:`private_training` did: the steps taken, the release (the trainable
+    parameters the last DP step left) and, with ``capture``, the clipped sum."""
 
     steps_planned: int
     steps_taken: int = 0
+    steps_completed: int = 0  # of those, taken by the DP pass after the train function returned
+    release: dict[str, torch.Tensor] = field(default_factory=dict)
     clipped_sum: list[torch.Tensor] | None = None
 
 
@@ -297,7 +817,6 @@ def private_training(
     generator: torch.Generator,
     secure: bool = False,
     capture: bool = False,
-    loss_reduction: str = "mean",
     epochs: int = 1,
 ) -> Iterator[tuple[nn.Module, PoissonLoader, PrivateRound]]:
     """Yield ``(private model, private loader, record)`` for the user's train function.
@@ -306,34 +825,51 @@ def private_training(
     private; freeze the others before. Each pass over the private loader yields an
     ``epochs``-th of the ``steps`` (the run's ``local-epochs``). With ``capture``
     (central noise) no noise is added and no parameter moves: the clipped sum of the
-    batches is kept in the record (use ``steps=1``)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+    batches is kept in the record (use ``steps=1``). On a clean exit the record holds
+    the release; a train function that broke a rule of the DP pass (module
+    docstring) raises :class:`UserLoopError` instead, here or at its step."""
+    if not any(p.requires_grad for p in model.parameters()):
         raise UserLoopError("no trainable parameter to train privately")
+    # the noise has its own stream, seeded from the round's generator: the k-th step's noise
+    # is the same whenever the train function draws the batches
+    noise = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
     sampler = PoissonBatches(unit_of_record, num_units, sample_rate, steps, generator, secure, epochs)
     private_loader = PoissonLoader(loader.dataset, sampler, loader.collate_fn)
     expected = max(sample_rate * num_units, 1e-12)
-    mech = None if capture else GaussianSumMechanism(noise_multiplier, clipping_norm, expected,
-                                                     secure=secure)
-    hook = _DPStep(params, sampler, clipping_norm, mech, generator, capture=capture)
+    mech = None if capture else GaussianSumMechanism(noise_multiplier, clipping_norm, expected, secure=secure)
+    for p in model.parameters():
+        p.grad = None
+    dp_pass = _DPPass(model, private_loader, clipping_norm, mech, noise, capture)
     record = PrivateRound(steps_planned=int(steps))
-    private = PrivateModule(model, loss_reduction)
-    handle = register_optimizer_step_pre_hook(hook)
+    private = PrivateModule(model, dp_pass)
+    handles = [register_optimizer_step_pre_hook(dp_pass.before_step),
+               register_optimizer_step_post_hook(dp_pass.after_step)]
     try:
         yield private, private_loader, record
+        dp_pass.finish(steps, epochs)
     finally:
-        handle.remove()
-        private.close()
-    record.steps_taken = hook.steps_taken
-    record.clipped_sum = hook.captured
-    if hook.steps_taken < steps:
-        log(WARNING, "the train function took %d of the %d DP-SGD steps charged for this round "
-            "(charged in full: the accounting is conservative); it made %d pass(es) over the private "
-            "loader, which spreads the steps over local-epochs = %d passes", hook.steps_taken, steps,
-            sampler.passes, epochs)
-    elif sampler.empty_passes and not capture and not _WARNED["epochs"]:
+        for h in handles:
+            h.remove()
+        dp_pass.close()
+    record.steps_taken = dp_pass.steps_taken
+    record.steps_completed = dp_pass.steps_completed
+    record.release = {n: dp_pass.expected[f"p:{n}"] for n in dp_pass.trainable}
+    record.clipped_sum = dp_pass.captured
+    if sampler.empty_passes and not capture and not _WARNED["epochs"]:
         _WARNED["epochs"] = True
         log(WARNING, "the train function made %d passes over the private loader, but the owners' "
             "schedule has the DP steps of local-epochs = %d epoch(s), all taken by then: the later "
             "passes got no batch; set flwr-jdp's local-epochs = %d to train the shared layers as many "
             "epochs as your loop (it is charged accordingly)", sampler.passes, epochs, sampler.passes)
+
+
+#: Each model kind's factored linear layers (:class:`~flwr_jdp.training.per_sample.FuncPerSample`).
+_LINEAR: dict[tuple, set[str] | None] = {}
+#: Each model kind's output shape per record, by its inputs' per-record shapes.
+_SHAPES: dict[tuple, tuple] = {}
+#: Warnings given once per process.
+_WARNED = {"epochs": False}
+
+
+__all__ = ["LOSSES", "PendingOutput", "PoissonBatches", "PoissonLoader", "PrivateModule", "PrivateRound",
+           "UserLoopError", "private_training"]

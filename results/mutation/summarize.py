@@ -45,6 +45,10 @@ from mutmut.stats import status_by_exit_code
 SELECTED = (
     "flwr_jdp.privacy.mechanisms",
     "flwr_jdp.joint_dp.owner_guard",
+    # The parties' own guard (owners and silos: the check, the ledger, its file) and
+    # the silos' agreement derived from the run config.
+    "flwr_jdp.privacy.guard",
+    "flwr_jdp.subject.silo_guard",
     "flwr_jdp.training.user_loop",
     "flwr_jdp.training.dp_sgd",
     "flwr_jdp.joint_dp.validation",

@@ -1,0 +1,356 @@
+"""The drop-in guarantee holds whatever the user's train function does.
+
+Each case is ordinary training code run through ``JointDPClient.train`` (one owner,
+the in-process harness of ``tests/test_dropin.py``) under local and central noise:
+either the round is refused before anything is sent (an error reply, no arrays), or
+the release, on a data set and on its neighbour (one record replaced) with the same
+noise seed, moves by at most the DP-SGD sensitivity: ``lr 2C / (qN)`` for the local
+release after one SGD step, ``2C`` for the central clipped sum. The honest loop
+releases, with noise of the planned size (``tests/test_dropin.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.client import JointDPClient
+from flwr_jdp.training.user_loop import PoissonLoader
+from tests.test_dropin import RC, Tiny, _client_node, _loader, _setup_and_instruction
+
+PLACEMENTS = ["local", "central"]
+N, Q, LR, CLIP, Z = 40, 0.2, 0.5, 0.01, 2.0
+
+
+def _config(placement: str) -> dict:
+    return dict(RC, **{"jdp.noise-placement": placement, "jdp.clipping-norm": CLIP, "jdp.noise-seed": 3})
+
+
+def _round(placement: str, train_fn, loader=None, model_fn=Tiny):  # noqa: ANN001
+    app, jdp, ctx, loader = _client_node(_config(placement), loader)
+    torch.manual_seed(0)  # the same broadcast for neighbouring runs
+    _, _, train = _setup_and_instruction(app, ctx, Z, Q, 1)
+    torch.manual_seed(0)
+    return jdp.train(train, ctx, model_fn(), loader, train_fn)
+
+
+def _refused(reply, match: str) -> None:  # noqa: ANN001
+    assert reply.has_error(), "the round was released"
+    assert not reply.has_content()
+    assert match in reply.error.reason, reply.error.reason
+
+
+def _release(reply) -> np.ndarray:  # noqa: ANN001
+    assert reply.has_content(), reply.error.reason
+    return np.concatenate([a.ravel() for a in reply.content["arrays"].to_numpy_ndarrays()])
+
+
+def _sgd_loop(loss_fn=None, after=None, lr=LR):  # noqa: ANN001
+    """A textbook loop; ``loss_fn(out, y)`` the loss, ``after(net, opt)`` code after it."""
+    def fn(net: nn.Module, loader: DataLoader) -> None:
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
+        for x, y in loader:
+            opt.zero_grad()
+            out = net(x)
+            loss = loss_fn(out, y) if loss_fn else F.cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+        if after is not None:
+            after(net, opt)
+    return fn
+
+
+def _neighbours(i: int, seed: int = 1) -> tuple[DataLoader, DataLoader]:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g)
+    x2, y2 = x.clone(), y.clone()
+    x2[i], y2[i] = -3 * x[i] + 1, 1 - y[i]  # one record replaced
+    return (DataLoader(TensorDataset(x, y), batch_size=8), DataLoader(TensorDataset(x2, y2), batch_size=8))
+
+
+def _max_move(placement: str, train_fn) -> float:  # noqa: ANN001
+    moves = []
+    for i in range(0, N, 3):
+        a, b = _neighbours(i)
+        moves.append(float(np.linalg.norm(_release(_round(placement, train_fn, a))
+                                          - _release(_round(placement, train_fn, b)))))
+    return max(moves)
+
+
+def _bound(placement: str) -> float:
+    return 2 * CLIP if placement == "central" else LR * 2 * CLIP / (Q * N)
+
+
+# ------------------------------------- set aside: the release is the honest one
+def _multi_step_round(placement: str, train_fn, steps: int = 5, model_fn=Tiny):  # noqa: ANN001
+    app, jdp, ctx, loader = _client_node(_config(placement))
+    torch.manual_seed(0)
+    _, _, train = _setup_and_instruction(app, ctx, Z, Q, steps)
+    torch.manual_seed(0)
+    return jdp.train(train, ctx, model_fn(), loader, train_fn)
+
+
+def _as_honest(placement: str, train_fn, caplog, says: str, steps: int = 5) -> None:  # noqa: ANN001
+    """The round releases exactly what the honest loop releases (same seeds), and the
+    node logs what the DP pass set aside."""
+    honest = _release(_multi_step_round(placement, _sgd_loop(), steps))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="flwr"):
+        got = _release(_multi_step_round(placement, train_fn, steps))
+    np.testing.assert_array_equal(got, honest)
+    assert any(says in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def _personal_fit_then(dp_fn):  # noqa: ANN001, ANN202
+    """``dp_fn`` in the DP pass only (the personal fit, on the user's own loader, is honest)."""
+    def fn(net, loader):  # noqa: ANN001
+        if isinstance(loader, PoissonLoader):
+            return dp_fn(net, loader)
+        return _sgd_loop()(net, loader)
+    return fn
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_no_grad_edit_after_the_loop_does_not_reach_the_release(placement, caplog):
+    def edit(net, opt):  # noqa: ANN001
+        with torch.no_grad():
+            net.body.bias.add_(1e3 * next(iter(DataLoader(_loader().dataset, batch_size=40)))[0].mean())
+
+    _as_honest(placement, _personal_fit_then(_sgd_loop(after=edit)), caplog, "outside the DP steps")
+
+
+class _WithDropout(Tiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.relu(self.body(x))))
+
+
+def test_a_hand_written_sgd_step_takes_no_dp_step_and_is_refused():
+    """A textbook loop without an optimizer: its updates never reach the release and
+    no DP step is taken (local noise: refused, whatever the data; central noise: the
+    clipped sum of the batch is the release)."""
+    def textbook(net, loader):  # noqa: ANN001
+        for x, y in loader:
+            net.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+
+    _refused(_multi_step_round("local", _personal_fit_then(textbook), model_fn=_WithDropout),
+             "took no DP step")
+    assert _multi_step_round("central", _personal_fit_then(textbook), model_fn=_WithDropout).has_content()
+
+
+def _best_iterate(net, loader):  # noqa: ANN001
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    best, best_loss = None, float("inf")
+    for i, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        if loss.item() + i < best_loss:  # the first iterate is the best here
+            best_loss, best = loss.item() + i, {k: v.clone() for k, v in net.state_dict().items()}
+    net.load_state_dict(best)
+
+
+def test_restoring_the_best_iterate_does_not_reach_the_release(caplog):
+    _as_honest("local", _personal_fit_then(_best_iterate), caplog, "outside the DP steps")
+
+
+def _early_stop(net, loader):  # noqa: ANN001
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for x, y in loader:
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        if loss.item() < 10:  # always true here: stops after the first step
+            break
+
+
+def test_an_early_stop_on_the_training_loss_gets_every_step_taken(caplog):
+    _as_honest("local", _personal_fit_then(_early_stop), caplog, "left DP steps untaken")
+
+
+def _plateau(net, loader):  # noqa: ANN001
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    for x, y in loader:
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        sched.step(-loss.item() if len(y) % 2 else loss.item())  # the data decides
+
+
+def test_reduce_lr_on_plateau_on_the_training_loss_does_not_reach_the_release(caplog):
+    _as_honest("local", _personal_fit_then(_plateau), caplog, "changed during the DP pass")
+
+
+def test_a_second_optimizer_or_edited_optimizer_state_does_not_reach_the_release(caplog):
+    def two_optimizers(net, loader):  # noqa: ANN001
+        first = torch.optim.SGD(net.parameters(), lr=LR)
+        for i, (x, y) in enumerate(loader):
+            opt = first if i == 0 else torch.optim.SGD(net.parameters(), lr=10 * LR)
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+
+    def state_edit(net, loader):  # noqa: ANN001
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.param_groups[0]["lr"] = float(x.abs().mean())  # settings from the data
+
+    _as_honest("local", _personal_fit_then(two_optimizers), caplog, "a second optimizer")
+    _as_honest("local", _personal_fit_then(state_edit), caplog, "changed during the DP pass")
+
+
+def test_a_closure_is_refused():
+    def closure(net, loader):  # noqa: ANN001
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        for x, y in loader:
+            def again():
+                opt.zero_grad()
+                loss = F.cross_entropy(net(x), y)  # noqa: B023 - called at once, inside step
+                loss.backward()
+                return loss
+            opt.step(again)
+
+    _refused(_multi_step_round("local", _personal_fit_then(closure)), "closure")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_batchnorm_without_running_statistics_is_refused_at_set_up(placement):
+    class BN(Tiny):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.BatchNorm1d(3, track_running_stats=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.norm(self.body(x))))
+
+    app = ClientApp()
+    JointDPClient(app, model_fn=BN, train_data=lambda ctx: _loader())
+    ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 1},
+                  state=RecordDict(), run_config=_config(placement))
+    InProcessGrid(app, 1, ctx.run_config)
+    reply = app(Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=7,
+                        message_type=MessageType.QUERY), ctx)
+    _refused(reply, "BatchNorm1d, which mixes the records of a batch")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_mixup_inside_the_loop_and_a_transformed_input_are_refused(placement):
+    def mixup(net, loader):  # noqa: ANN001
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        for x, y in loader:
+            perm = torch.arange(len(y)).flip(0)
+            opt.zero_grad()
+            out = net(0.7 * x + 0.3 * x[perm])
+            (0.7 * F.cross_entropy(out, y) + 0.3 * F.cross_entropy(out, y[perm])).backward()
+            opt.step()
+
+    _refused(_round(placement, mixup), "mixing the records of a batch")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_weight_penalty_is_set_aside_and_a_hand_written_loss_refused(placement, caplog):
+    def penalty(out, y):  # noqa: ANN001, ANN202
+        return F.cross_entropy(out, y) + 1e3 * sum((p ** 2).sum() for p in penalty.net.parameters())
+
+    def with_penalty(net, loader):  # noqa: ANN001
+        penalty.net = net
+        _sgd_loop(penalty)(net, loader)
+
+    _as_honest(placement, _personal_fit_then(with_penalty), caplog, "weight penalty")
+    hand = _sgd_loop(lambda out, y: -(out.log_softmax(1)[torch.arange(len(y)), y]).mean())
+    _refused(_round(placement, _personal_fit_then(hand)), "outside a torch loss function")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_users_exception_and_batch_sizes_stay_on_the_node(placement):
+    def leaky(net, loader):  # noqa: ANN001
+        for x, _ in loader:
+            raise ValueError(f"secret {float(x.sum()):.6f} in a batch of {len(x)}")
+
+    calls = []
+
+    def fit_then_leak(net, loader):  # noqa: ANN001
+        calls.append(1)
+        if len(calls) == 1:
+            return _sgd_loop()(net, loader)
+        return leaky(net, loader)
+
+    reply = _round(placement, fit_then_leak)
+    _refused(reply, "raised ValueError")
+    assert "secret" not in reply.error.reason and "batch of" not in reply.error.reason
+
+
+# ------------------------------------------------- releases within the bound
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_honest_loop_is_within_the_sensitivity_bound(placement):
+    move = _max_move(placement, _sgd_loop())
+    assert 0.2 * _bound(placement) < move <= _bound(placement) * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_class_weighted_and_ignore_index_losses_are_per_record(placement):
+    weights = torch.tensor([0.2, 5.0])
+    weighted = _sgd_loop(lambda out, y: F.cross_entropy(out, y, weight=weights))
+    assert _max_move(placement, weighted) <= _bound(placement) * (1 + 1e-4)
+    ignoring = _sgd_loop(lambda out, y: nn.CrossEntropyLoss(ignore_index=0)(out, y))
+    assert _max_move(placement, ignoring) <= _bound(placement) * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_nan_record_neither_poisons_the_release_nor_fails_the_round(placement):
+    x, y = _loader().dataset.tensors
+    x = x.clone()
+    x[::4] = float("nan")  # every fourth record corrupt: some are in the Poisson sample
+    bad = DataLoader(TensorDataset(x, y), batch_size=8)
+    calls = []
+
+    def fn(net, loader):  # noqa: ANN001
+        calls.append(1)
+        if len(calls) == 1:  # the personal fit on clean data (its own business)
+            return _sgd_loop()(net, DataLoader(TensorDataset(x[1::4], y[1::4]), batch_size=8))
+        return _sgd_loop()(net, loader)
+
+    release = _release(_round(placement, fn, bad))
+    assert np.isfinite(release).all()
+
+
+def test_a_broken_rule_is_not_charged_again_in_later_rounds(monkeypatch):
+    """A train function refused for a rule of the DP pass (here a hand-written loss)
+    would break it again: the owner refuses the later rounds before charging them."""
+    from flwr_jdp.joint_dp import client as client_module
+
+    charged = []
+    real = client_module.charge_owners
+    monkeypatch.setattr(client_module, "charge_owners", lambda *a, **k: charged.append(1) or real(*a, **k))
+    hand = _personal_fit_then(_sgd_loop(lambda out, y: -(out.log_softmax(1)[torch.arange(len(y)), y]).mean()))
+    app, jdp, ctx, loader = _client_node(_config("local"))
+    replies = []
+    for rnd in (1, 2):
+        _, _, train = _setup_and_instruction(app, ctx, Z, Q, 1, rnd=rnd)
+        replies.append(jdp.train(train, ctx, Tiny(), loader, hand))
+    _refused(replies[0], "outside a torch loss function")
+    _refused(replies[1], "in an earlier round of this run")
+    assert len(charged) == 1
