@@ -81,8 +81,8 @@ MUTANTS: tuple[Mutant, ...] = (
            LOCAL, ("local_dp_sgd",)),
     Mutant("local-clip*10", "private_training clips at 10 C, noise still z C",
            (("flwr_jdp/training/user_loop.py",
-             code("sums = batch_sums(self.params, self.sampler.current, self.clipping_norm)"),
-             "sums = batch_sums(self.params, self.sampler.current, self.clipping_norm * 10)"),),
+             code("sums = batch_sums(self.params, sample, self.clipping_norm)"),
+             "sums = batch_sums(self.params, sample, self.clipping_norm * 10)"),),
            LOCAL, ("local_dp_sgd",)),
     # (b) central: owners' clipped sums + JointDP._aggregate's noise
     Mutant("central-noise/10", "JointDP._aggregate (KIND_GRAD_SUM) adds noise z/10",
@@ -94,8 +94,8 @@ MUTANTS: tuple[Mutant, ...] = (
            CENTRAL, ("central_grad_sum",)),
     Mutant("central-clip*10", "owners' private_training (capture) clips at 10 C, server noise z C",
            (("flwr_jdp/training/user_loop.py",
-             code("sums = batch_sums(self.params, self.sampler.current, self.clipping_norm)"),
-             "sums = batch_sums(self.params, self.sampler.current, self.clipping_norm * 10)"),),
+             code("sums = batch_sums(self.params, sample, self.clipping_norm)"),
+             "sums = batch_sums(self.params, sample, self.clipping_norm * 10)"),),
            CENTRAL, ("central_grad_sum",)),
     # shared by every trainer: the mechanism itself
     Mutant("mechanism-noise/10", "NoisySumMechanism.sum_noise_scale (GaussianSumMechanism.sum_noise_std) is z S / 10",
