@@ -76,6 +76,17 @@ class AccountedStrategy(Strategy):
         """What the user's ``evaluate_fn`` receives (default: the global model)."""
         return arrays
 
+    def result_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
+        """``Result.arrays``: the model ``evaluate_fn`` sees, so that the user's model
+        class loads it; parameters the server never holds (an owner's personal layers)
+        are at their public initial values, said in one log line."""
+        full = self.evaluate_fn_arrays(arrays)
+        public = [k for k in full.keys() if k not in arrays.keys()]
+        if public:
+            log(INFO, "Result arrays: the shared layers as trained; %s at their public initial values (each "
+                "owner's own stay on its node: JointDPClient.load)", ", ".join(public[:4]))
+        return full
+
     def failure_reasons(self) -> str:
         """Why the last rounds had too few valid replies (for the failure message)."""
         return "no reply arrived"
@@ -147,6 +158,7 @@ class AccountedStrategy(Strategy):
             self.save(arrays, "running")
         self.save(arrays, status)
         self.status = status
+        result.arrays = self.result_arrays(arrays)
         if status == "failed":
             raise RunFailed(
                 f"run failed: {skipped} rounds in a row (max-skipped-rounds={self.max_skipped_rounds}) "

@@ -433,3 +433,29 @@ def test_a_clientapp_without_the_client_half_is_named_at_set_up(example, run_con
     with pytest.raises(RuntimeError, match=r"failed at set-up: .*create JointDPClient\(app"):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(task.Net().state_dict()), num_rounds=2)
     assert not (Path(run_config["jdp.results-dir"]) / "ledger.json").exists()
+
+
+def test_the_users_model_class_loads_the_result_arrays(example, run_config, caplog):
+    """The unchanged quickstart saves ``result.arrays`` and reloads it into ``Net()``:
+    the shared layers as trained, the personal ones at their public initial values
+    (one log line says so)."""
+    _, task = example
+    initial = task.Net()
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        _, _, result = _start(example, run_config, initial=ArrayRecord(initial.state_dict()))
+    net = task.Net()
+    net.load_state_dict(result.arrays.to_torch_state_dict())  # no missing or unexpected key
+    assert torch.equal(net.fc3.weight, initial.fc3.weight)
+    assert not torch.equal(net.fc1.weight, initial.fc1.weight)
+    assert any("public initial values" in r.getMessage() for r in caplog.records)
+
+
+def test_rounds_epochs_and_batch_size_can_be_read_from_the_apps_own_keys():
+    """The jdp table may name the app's own key instead of repeating its value; a name
+    that is no key of the run config fails at start-up, naming both."""
+    rc = {"num-server-rounds": 4, "local-epochs": 2, "batch-size": 16, "jdp.personal-layers": "^fc3\\.",
+          "jdp.num-rounds": "num-server-rounds", "jdp.local-epochs": "local-epochs", "jdp.batch-size": "batch-size"}
+    cfg = namespaced_config(rc)
+    assert (cfg.num_rounds, cfg.local_epochs, cfg.batch_size) == (4, 2, 16)
+    with pytest.raises(ConfigError, match=r"'jdp.num-rounds' = 'rounds' names no key of your app's run config"):
+        namespaced_config(dict(rc, **{"jdp.num-rounds": "rounds"}))
