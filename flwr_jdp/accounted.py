@@ -87,6 +87,12 @@ class AccountedStrategy(Strategy):
                 "owner's own stay on its node: JointDPClient.load)", ", ".join(public[:4]))
         return full
 
+    def cannot_progress(self) -> bool:
+        """True when the round just skipped shows that later rounds would be skipped
+        too (e.g. every node's code breaks a rule it will break again): the run fails
+        now instead of spending the rest of its budget."""
+        return False
+
     def failure_reasons(self) -> str:
         """Why the last rounds had too few valid replies (for the failure message)."""
         return "no reply arrived"
@@ -152,7 +158,7 @@ class AccountedStrategy(Strategy):
             log(INFO, "%s | %.1fs", self.round_line(row), row["seconds"])
             result.arrays = arrays
             skipped = skipped + 1 if row.get("skipped") else 0
-            if skipped >= self.max_skipped_rounds:
+            if skipped >= self.max_skipped_rounds or (row.get("skipped") and self.cannot_progress()):
                 status = "failed"
                 break
             self.save(arrays, "running")
