@@ -16,10 +16,10 @@ example's CNN, personal ``fc3``; both on 1x28x28 inputs) and batch size B:
   gradients (``per_sample.BACKEND = "func"``: no silent fallback);
 - ``plain_user_loop``: a user's own loop (a DataLoader of the B records, SGD on a
   mean cross-entropy) without DP: the baseline of the drop-in's step;
-- ``ours_user_loop``: the drop-in client's DP pass: the same loop inside
-  :func:`private_training`, which sees the loss call and computes each record's
-  term, gradient and output in one vectorised ``torch.func`` pass
-  (``BACKEND = "func"``), with every check of the DP pass.
+- ``ours_user_loop``: the drop-in client's DP pass: the same loop given to
+  :func:`private_training` (a dry run on two synthetic records, then each record's
+  term, gradient and output in one vectorised ``torch.func`` pass on the pass's own
+  model and batch copy, ``BACKEND = "func"``), per step including the dry run's share.
 
 Every DP variant samples at rate 1 (the batch is the B records) and runs
 ``--steps`` steps per call (one wrap per call, as in production), timed per step.
@@ -141,21 +141,26 @@ def make_variants(build, rule: str, batch: int, steps: int) -> dict:
                 opt.step()
 
     def user_loop():
-        """The drop-in's step: the user's own loop inside ``private_training``."""
+        """The drop-in's DP pass as ``JointDPClient.train`` runs it: the user's loop given
+        to ``private_training`` (its dry run on two synthetic records, then the DP steps on
+        the pass's own model and batches, paced by the loop)."""
         from flwr_jdp.training.user_loop import private_training
+
+        def loop(net, loader):  # noqa: ANN001
+            opt = torch.optim.SGD(net.parameters(), lr=LR)
+            for xb, yb in loader:
+                opt.zero_grad()
+                F.cross_entropy(net(xb), yb).backward()
+                opt.step()
 
         per_sample.BACKEND = "func"
         params = dict(model.named_parameters())
         data = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=batch)
         with dp_sgd._frozen([params[n] for n in split.personal]), \
                 private_training(model, data, unit_of_record=torch.arange(batch), num_units=batch, sample_rate=1.0,
-                                 steps=steps, noise_multiplier=Z, clipping_norm=CLIP,
-                                 generator=gen) as (private, loader, _):  # noqa: SLF001
-            opt = torch.optim.SGD(private.parameters(), lr=LR)
-            for xb, yb in loader:
-                opt.zero_grad()
-                F.cross_entropy(private(xb), yb).backward()
-                opt.step()
+                                 steps=steps, noise_multiplier=Z, clipping_norm=CLIP, generator=gen,
+                                 train_fn=loop) as (private, loader, _):  # noqa: SLF001
+            loop(private, loader)
 
     out = {"plain": plain, "opacus_hooks": dp("opacus")}
     if ghost_available() is None:

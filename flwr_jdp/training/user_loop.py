@@ -377,6 +377,7 @@ class _DPPass:
         #: the model's kind and parameter shapes (what the cached shapes and layer roles hold for)
         self.kind = (per_sample.model_kind(model), tuple((n, tuple(p.shape)) for n, p in self.named.items()))
         self.checked_kinds = _CHECKED_KINDS
+        self.dry = False  # the dry run: rules checked, no gradient computed
         self.modes: dict[str, bool] | None = None
         self.device = torch.device("cpu")
 
@@ -551,7 +552,11 @@ class _DPPass:
         for p in self.params:
             p.grad_sample = None  # (Opacus's hooks add to what is there)
         n = fwd.values.shape[0]
-        if n:
+        if self.dry:  # the dry run checks the code, it computes no gradient
+            self.fill(fwd)
+            for p in self.params:
+                p.grad_sample = torch.zeros((n, *p.shape), dtype=p.dtype, device=p.device)
+        elif n:
             values = self._per_record(fwd, target.reshape(n, call.k or 1, *call.target.tail), call.one())
             if not fwd.filled:
                 with torch.no_grad():
@@ -702,6 +707,11 @@ class _DPPass:
             self.refuse("the per-record gradients of this batch are missing (the model in eval mode on "
                         "Opacus's path?)")
         self.restore("before a step")
+        if self.dry:
+            for p in self.params:
+                p.grad_sample = None
+            self.steps_taken += 1
+            return
         sums = batch_sums(self.params, sample, self.clipping_norm)
         for p in self.params:
             p.grad_sample = None
@@ -840,10 +850,10 @@ def _dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, steps: in
 
     dry_model = copy.deepcopy(model)
     dataset = _SyntheticSet(loader.dataset, len(loader.dataset))  # type: ignore[arg-type]
-    sampler = _BothRecords(torch.tensor([0, 1]), 2, 1.0, min(steps, 2), torch.Generator().manual_seed(0),
-                           False, min(epochs, 2))
+    sampler = _BothRecords(torch.tensor([0, 1]), 2, 1.0, 1, torch.Generator().manual_seed(0), False, 1)
     dry_loader = PoissonLoader(dataset, sampler, loader.collate_fn)
     dry = _DPPass(dry_model, dry_loader, 1.0, None, torch.Generator().manual_seed(0), capture=True)
+    dry.dry = True
     private = PrivateModule(dry_model, dry)
     handles = [register_optimizer_step_pre_hook(dry.before_step), register_optimizer_step_post_hook(dry.after_step)]
     try:
@@ -895,6 +905,7 @@ class _ReleasePass(_DPPass):
         super().__init__(private, loader, clipping_norm, mechanism, generator, capture)
         self.user_model = user_model
         self.user_params = {n: p for n, p in user_model.named_parameters()}
+        self.shown = {n: p.detach().clone() for n, p in self.user_params.items()}  # what the user's model showed
         self.plan = plan
         self.last_loss = plan.call
         self.last_outputs: torch.Tensor | None = None
@@ -910,11 +921,13 @@ class _ReleasePass(_DPPass):
         changed = []
         with torch.no_grad():
             for n, p in self.user_params.items():
-                want = self.named[n]
-                if not _equal(p.detach(), want.detach().to(p.device, p.dtype)):
-                    p.copy_(want.detach().to(p.device, p.dtype))
-                    changed.append(n)
-        if changed and self.steps_taken:
+                if not _equal(p.detach(), self.shown[n].to(p.device, p.dtype)):
+                    changed.append(n)  # not what the pass last showed: the user's code wrote it
+                want = self.named[n].detach()
+                if not _equal(p.detach(), want.to(p.device, p.dtype)):
+                    p.copy_(want.to(p.device, p.dtype))
+                self.shown[n] = want.clone()
+        if changed:
             self.note("changed", f"the train function changed {changed[:3]} outside the DP steps; the release "
                                  "is the DP steps' own trajectory (no_grad edits, hand-written updates and "
                                  "restored iterates do not reach it)")
