@@ -2,8 +2,8 @@
 
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from flwr_jdp.strategies import JointDP
 
+from flwr_jdp.strategies import JointDP
 from quickstart.task import Net
 
 app = ServerApp()

@@ -63,7 +63,6 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 
-from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.checkpoint import Checkpoint
 from flwr_jdp.config_check import ConfigError, run_folder
 from flwr_jdp.mtl.algorithm import MeanServer, MTLConfig
@@ -88,6 +87,7 @@ from flwr_jdp.mtl.protocol import (  # noqa: E402 - the keys, re-exported
 from flwr_jdp.node_query import query_nodes
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
+from flwr_jdp.strategies.accounted import AccountedStrategy
 
 #: Relative slack on the ball check (float32/float64 round-off of a projected model).
 BALL_SLACK = 1e-6

@@ -42,7 +42,6 @@ from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import FedAvg, FedAvgM, Result, Strategy
 from flwr.serverapp.strategy.fedopt import FedOpt
 
-from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.checkpoint import Checkpoint
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import (
@@ -63,6 +62,7 @@ from flwr_jdp.params import split_names
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, numpy_rng, reclipped_sum
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
+from flwr_jdp.strategies.accounted import AccountedStrategy
 
 
 class JointDP(AccountedStrategy):
