@@ -176,9 +176,16 @@ def repo_files() -> list[str]:
     return sorted({f for f in out.split("\0") if f and (ROOT / f).is_file()})
 
 
+def in_copy(rel: str) -> str:
+    """Where a repository file lies in the copy: as installed, ``strategies/`` inside
+    ``flwr_jdp/`` (``flwr_jdp.strategies``; ``[tool.setuptools.package-dir]``), so the
+    copy's ``flwr_jdp`` imports its own strategies, not the repository's."""
+    return f"flwr_jdp/{rel}" if rel.startswith("strategies/") else rel
+
+
 def make_copy(files: list[str], dest: Path) -> None:
     for rel in files:
-        target = dest / rel
+        target = dest / in_copy(rel)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, target)
 
@@ -188,7 +195,7 @@ def apply(dest: Path, replacements: tuple[tuple[str, str, str], ...]) -> None:
     (whitespace between tokens written ``\\s*``, so a re-wrapped line still matches)
     that must match exactly once."""
     for rel, pattern, new in replacements:
-        path = dest / rel
+        path = dest / in_copy(rel)
         text, count = re.subn(pattern, lambda _m, new=new: new, path.read_text())
         if count != 1:
             raise RuntimeError(f"{rel}: mutant pattern found {count} times (expected exactly 1): {pattern}")

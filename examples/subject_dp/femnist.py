@@ -3,11 +3,11 @@ Marathe et al. through the project's ServerApp strategy and ClientApp.
 
 Each run is :class:`~flwr_jdp.strategies.subject_level.SubjectLevelFedAvg` driving the
 real ClientApp (``apps/subject_dp (subject_dp.client_app:client)``) on an in-process grid
-(:class:`~flwr_jdp.inprocess.InProcessGrid`, no Ray; ``flwr run examples/subject_dp``
+(:class:`~flwr_jdp.inprocess.InProcessGrid`, no Ray; ``flwr run apps/subject_dp``
 runs the same apps on a Flower federation). Every run uses the reported-counts mode
 (``max-records-per-subject = 0``: silos report their per-subject counts, not DP), the
 paper's setting in which the committed results were computed; a user's run defaults to
-the public cap instead (``examples/subject_dp/pyproject.toml``).
+the public cap instead (``apps/subject_dp/pyproject.toml``).
 
     python examples/subject_dp/femnist.py --data-dir ../shared/data/femnist \\
         --alpha 1 --runs fedavg local-item-dp higradavg-exact user-ldp
