@@ -290,7 +290,7 @@ def test_setup_asks_a_silent_node_again_and_names_it_if_it_never_answers(run_con
     mismatch, where every node answered, still names the key."""
     from types import SimpleNamespace
 
-    import flwr_jdp.strategies.joint_dp as module
+    import flwr_jdp.strategies.joint_dp.nodes as module
     from flwr_jdp.joint_dp.config import ConfigError
     from flwr_jdp.strategies import JointDP
 

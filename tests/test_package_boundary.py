@@ -106,7 +106,7 @@ def test_apps_import_no_other_app_and_the_strategies_only_through_flwr_jdp_strat
 
 def test_every_system_has_its_strategy_its_protocol_and_its_app():
     for s, module in SYSTEM_STRATEGY.items():
-        assert (STRATEGIES / f"{module}.py").is_file(), s
+        assert (STRATEGIES / f"{module}.py").is_file() or (STRATEGIES / module / "__init__.py").is_file(), s
         assert not (PKG / s / "strategy.py").exists(), s
     for s in ("joint_dp", "mtl", "altmin", "subject"):
         assert (PKG / s / "protocol.py").is_file(), s
@@ -132,7 +132,9 @@ def test_only_flwr_jdp_is_installed_and_research_is_not_in_the_fab():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     setuptools = project["tool"]["setuptools"]
     library = {".".join(p.parent.relative_to(ROOT).parts) for p in PKG.rglob("__init__.py")}
-    assert set(setuptools["packages"]) == library | {"flwr_jdp.strategies"}
+    strategies = {".".join(("flwr_jdp", *p.parent.relative_to(ROOT).parts)) for p in STRATEGIES.rglob("__init__.py")}
+    assert "flwr_jdp.strategies" in strategies
+    assert set(setuptools["packages"]) == library | strategies
     assert setuptools["package-dir"] == {"flwr_jdp.strategies": "strategies"}
     assert not (PKG / "strategies").exists() and not (PKG / "strategies.py").exists()
     assert not (PKG / "reproduce").exists()

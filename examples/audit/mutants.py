@@ -86,7 +86,7 @@ MUTANTS: tuple[Mutant, ...] = (
            LOCAL, ("local_dp_sgd",)),
     # (b) central: owners' clipped sums + JointDP._aggregate's noise
     Mutant("central-noise/10", "JointDP._aggregate (KIND_GRAD_SUM) adds noise z/10",
-           (("strategies/joint_dp.py",
+           (("strategies/joint_dp/aggregation.py",
              code("GaussianSumMechanism(self.noise_multiplier, cfg.clipping_norm, "
                   "self.schedule.server_rate * self.schedule.num_units"),
              "GaussianSumMechanism(self.noise_multiplier / 10, cfg.clipping_norm, "
@@ -213,7 +213,7 @@ def env_for(copy: Path, out: Path, home: Path) -> dict[str, str]:
 
 def preflight(copy: Path, env: dict[str, str]) -> None:
     """Import the package in the copy as pytest will, and check every part comes from it."""
-    code = ("import json, flwr_jdp, flwr_jdp.strategies.joint_dp as j, apps.joint_dp.joint_dp.client_app as c, "
+    code = ("import json, flwr_jdp, flwr_jdp.strategies.joint_dp.aggregation as j, apps.joint_dp.joint_dp.client_app as c, "
             "flwr_jdp.training.dp_sgd as d; print(json.dumps([flwr_jdp.__file__, j.__file__, c.__file__, d.__file__]))")
     got = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, check=True, capture_output=True,
                          text=True).stdout

@@ -10,8 +10,9 @@ Run from the repository root after ``mutmut run`` (docs/mutation.md)::
     python results/mutation/summarize.py [--triaged docs/mutation.md]
 
 ``--patterns`` prints mutmut's name patterns for :data:`SELECTED` (the mutated
-code: whole modules, and the aggregation and noise functions of
-``strategies/joint_dp.py`` (mutmut names its mutants ``strategies.joint_dp.…``: it names them by file path), a large file whose logging, results and
+code: whole modules, and the aggregation and noise functions of JointDP in
+``strategies/joint_dp/plan.py`` and ``aggregation.py``, named by file path
+(``strategies.joint_dp.plan.…``; the set-up, logging, results and
 evaluation code is not privacy-critical); a plain ``mutmut run`` would check every
 function of every ``only_mutate`` file. The summary counts exactly the mutants of
 :data:`SELECTED`. ``--patterns`` leaves out :data:`SCOPED_MODULES` (the accounting
@@ -55,12 +56,12 @@ SELECTED = (
     # JointDP's aggregation and noise: selection (fraction-train), calibration of z,
     # the charge before the instruction leaves, validation -> re-clip -> sum -> noise
     # -> normalise, and the inner strategy's post-processing.
-    "strategies.joint_dp.xǁJointDPǁ_select",
-    "strategies.joint_dp.xǁJointDPǁ_calibrate",
-    "strategies.joint_dp.xǁJointDPǁconfigure_train",
-    "strategies.joint_dp.xǁJointDPǁaggregate_train",
-    "strategies.joint_dp.xǁJointDPǁ_aggregate",
-    "strategies.joint_dp.xǁJointDPǁ_post_process",
+    "strategies.joint_dp.plan.xǁReleasePlanǁ_select",
+    "strategies.joint_dp.plan.xǁReleasePlanǁ_calibrate",
+    "strategies.joint_dp.plan.xǁReleasePlanǁconfigure_train",
+    "strategies.joint_dp.aggregation.xǁAggregationǁaggregate_train",
+    "strategies.joint_dp.aggregation.xǁAggregationǁ_aggregate",
+    "strategies.joint_dp.aggregation.xǁAggregationǁ_post_process",
     "flwr_jdp.joint_dp.client",
     "flwr_jdp.joint_dp.release",
     "flwr_jdp.joint_dp.owner_store",
