@@ -1,14 +1,19 @@
 """Run the project's ServerApp and ClientApp in Flower's Ray simulation from Python.
 
-This is what ``flwr run .`` does, minus the SuperLink: Flower's
-``run_simulation`` with the real handlers of the systems' Flower Apps, a run config given
+This is what ``flwr run apps/<name>`` does, minus the SuperLink: Flower's
+``run_simulation`` with the real handlers of the Flower Apps in ``apps/`` (joint DP,
+its FedAvg baseline, DP-MTL, Priv-AltMin), a run config given
 as a dict (``run_simulation`` has no run-config argument, so every handler sees a
 copy of its ``Context`` with the overrides applied), and ``num_supernodes``
 SuperNodes. Node ``i`` gets ``partition-id = i`` and ``num-partitions =
 num_supernodes`` and hosts the owners ``flwr_jdp.joint_dp.protocol.hosted_owners`` assigns
 to it, so one SuperNode may host many owners (fewer, larger messages).
 
-Used by the benchmarks, the tests and ``python -m research.reproduce_joint_dp``.
+Used by the benchmarks, the tests and ``python -m research.reproduce_joint_dp``; from
+the repository root (``research/`` and ``apps/`` are not installed)::
+
+    from research.simulation import simulate
+    simulate("joint-dp", {"num-owners": 8, "num-rounds": 2, "results-dir": "results/sim"}, num_supernodes=2)
 """
 
 from __future__ import annotations
