@@ -1,5 +1,5 @@
-"""flwr-jdp's own ServerApp (``flwr run .``): validates the run config, builds the
-seed CNN and runs :class:`JointDP` on it, as a user's ServerApp does.
+"""flwr-jdp's own ServerApp (``flwr run apps/joint_dp``, ``flwr run .``): validates the
+run config, builds the seed CNN and runs :class:`JointDP` on it, as a user's ServerApp does.
 
 A bad configuration fails here, before any training, with a message naming the
 run-config key and its allowed range.
