@@ -154,8 +154,23 @@ def namespace(run_config: Mapping[str, Any], prefix: str, known: Iterable[str],
             if name not in allowed:
                 raise ConfigError(f"unknown run-config key '{key}'{did_you_mean(name, allowed, prefix)}; "
                                   f"{what} are {', '.join(prefix + k for k in allowed)}")
-            values[name] = value
+            values[name] = _referred(run_config, key, name, value, prefix)
     return values
+
+
+#: Keys a ``jdp`` table may set by naming one of the app's own keys
+#: (``num-rounds = "num-server-rounds"``), so that the app sets each once.
+REFERABLE = ("num-rounds", "rounds", "local-epochs", "batch-size")
+
+
+def _referred(run_config: Mapping[str, Any], key: str, name: str, value: Any, prefix: str) -> Any:
+    """``value``, or the value of the app's own key it names (a :data:`REFERABLE` key)."""
+    if name not in REFERABLE or not isinstance(value, str):
+        return value
+    if value.startswith(prefix) or value not in run_config:
+        raise ConfigError(f"run-config key '{key}' = {value!r} names no key of your app's run config; give a "
+                          f"number, or the name of your own key that holds it (e.g. \"num-server-rounds\")")
+    return run_config[value]
 
 
 def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:

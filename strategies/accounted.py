@@ -76,6 +76,23 @@ class AccountedStrategy(Strategy):
         """What the user's ``evaluate_fn`` receives (default: the global model)."""
         return arrays
 
+    def result_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
+        """``Result.arrays``: the model ``evaluate_fn`` sees, so that the user's model
+        class loads it; parameters the server never holds (an owner's personal layers)
+        are at their public initial values, said in one log line."""
+        full = self.evaluate_fn_arrays(arrays)
+        public = [k for k in full.keys() if k not in arrays.keys()]
+        if public:
+            log(INFO, "Result arrays: the shared layers as trained; %s at their public initial values (each "
+                "owner's own stay on its node: JointDPClient.load)", ", ".join(public[:4]))
+        return full
+
+    def cannot_progress(self) -> bool:
+        """True when the round just skipped shows that later rounds would be skipped
+        too (e.g. every node's code breaks a rule it will break again): the run fails
+        now instead of spending the rest of its budget."""
+        return False
+
     def failure_reasons(self) -> str:
         """Why the last rounds had too few valid replies (for the failure message)."""
         return "no reply arrived"
@@ -141,12 +158,13 @@ class AccountedStrategy(Strategy):
             log(INFO, "%s | %.1fs", self.round_line(row), row["seconds"])
             result.arrays = arrays
             skipped = skipped + 1 if row.get("skipped") else 0
-            if skipped >= self.max_skipped_rounds:
+            if skipped >= self.max_skipped_rounds or (row.get("skipped") and self.cannot_progress()):
                 status = "failed"
                 break
             self.save(arrays, "running")
         self.save(arrays, status)
         self.status = status
+        result.arrays = self.result_arrays(arrays)
         if status == "failed":
             raise RunFailed(
                 f"run failed: {skipped} rounds in a row (max-skipped-rounds={self.max_skipped_rounds}) "

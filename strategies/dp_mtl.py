@@ -65,6 +65,7 @@ from flwr.serverapp.exception import PrivacyBudgetExhausted
 
 from flwr_jdp.checkpoint import Checkpoint
 from flwr_jdp.config_check import ConfigError, run_folder
+from flwr_jdp.mtl import health
 from flwr_jdp.mtl.algorithm import MeanServer, MTLConfig
 from flwr_jdp.mtl.config import namespaced_mtl_config
 from flwr_jdp.mtl.noise import MeanRelease, paper_sigma, tight_sigma
@@ -87,7 +88,7 @@ from flwr_jdp.mtl.protocol import (  # noqa: E402 - the keys, re-exported
 from flwr_jdp.node_query import query_nodes
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
-from flwr_jdp.strategies.accounted import AccountedStrategy
+from flwr_jdp.strategies.accounted import AccountedStrategy, RunFailed
 
 #: Relative slack on the ball check (float32/float64 round-off of a projected model).
 BALL_SLACK = 1e-6
@@ -370,6 +371,7 @@ class DPMeanRegularizedMTL(AccountedStrategy):
             "private" if self.cfg.private else "NON-PRIVATE", self.cfg.calibration, self.release.sigma,
             self.release.noise_multiplier, report.get("paper_sigma", 0.0), report.get("tight_sigma", 0.0),
             self.cfg.neighbouring, self.cfg.target_epsilon, self.cfg.delta)
+        health.warn_if_noise_dominates(self.release, self.num_params, self.cfg, self.key_prefix)
 
     # ---------------------------------------- the accounted loop's hooks
     def prepare(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int | None,
@@ -440,8 +442,11 @@ class DPMeanRegularizedMTL(AccountedStrategy):
         return self.model_arrays(arrays)
 
     def save(self, arrays: ArrayRecord, status: str) -> None:
-        self.status = status
+        failed = health.ended_on_skipped_round(self.history, status)  # its last mean is noise only
+        self.status = "failed" if failed else status
         self._save(time.time() - self._t0)
+        if failed:
+            raise _skipped_run_failed(self.history, self.epsilon_spent(), self.failure_reasons())
 
     def epsilon_spent(self) -> float:
         return self.ledger.epsilon() if self.cfg.private else math.inf
@@ -465,12 +470,12 @@ class DPMeanRegularizedMTL(AccountedStrategy):
         if "task_metrics" in row:
             metrics = ", ".join(f"{k} {v:.4f}" for k, v in row["task_metrics"].items())
             return (f"[round {row['round']}/{self.cfg.rounds}] personalized models (mean over "
-                    f"{row['evaluated_tasks']} tasks, weighted by num-examples): {metrics} | {row['tasks']} "
-                    f"tasks sent | epsilon {row['epsilon']:.4f} (target {self.cfg.target_epsilon}) at delta "
+                    f"{row['evaluated_tasks']} tasks, weighted by num-examples): {metrics} | {health.tasks_sent(row)} "
+                    f"| epsilon {row['epsilon']:.4f} (target {self.cfg.target_epsilon}) at delta "
                     f"{self.cfg.delta:.3g}")
         return (f"[round {row['round']}/{self.cfg.rounds}] personalized: accuracy "
                 f"{row.get('accuracy', math.nan):.4f}, test loss {row.get('loss', math.nan):.4f}, excess loss "
-                f"{row.get('excess', math.nan):.4g} | {row['tasks']} tasks sent | epsilon {row['epsilon']:.4f} "
+                f"{row.get('excess', math.nan):.4g} | {health.tasks_sent(row)} | epsilon {row['epsilon']:.4f} "
                 f"(target {self.cfg.target_epsilon}) at delta {self.cfg.delta:.3g}")
 
     def _maybe_resume(self) -> int:
@@ -501,6 +506,16 @@ class DPMeanRegularizedMTL(AccountedStrategy):
                              self.release.noise_multiplier, self.status, self.results(wall_seconds))
         if self.status != "running":
             log(INFO, "Finished (%s): results in %s", self.status, self.checkpoint.directory)
+
+
+def _skipped_run_failed(history: list[dict], epsilon: float, reasons: str) -> RunFailed:
+    """The failure of a run whose final round(s) had no task train."""
+    n = health.trailing_skipped(history)
+    last = history[-1]["round"] if history else 0
+    return RunFailed(
+        f"run failed: its final round{'s' if n > 1 else ''} ({n} up to round {last}) had no task train "
+        f"(0 tasks sent: every task's reply dropped, refused or diverged), so the last released mean is "
+        f"noise only; epsilon {epsilon:.4f} spent and saved. Last round's reasons: {reasons}")
 
 
 __all__ = ["DPMeanRegularizedMTL", "parse_task_key", "task_key"]

@@ -28,7 +28,7 @@ from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.client import JointDPClient
 from flwr_jdp.joint_dp.config import ConfigError, namespaced_config
 from flwr_jdp.strategies import JointDP, load_results
-from flwr_jdp.training.user_loop import private_training
+from flwr_jdp.training.user_loop import _SyntheticSet, private_training
 from tests.test_owners_mod import _contains
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart-pytorch"
@@ -253,10 +253,10 @@ def _sgd_train(lr=0.1, steps_per_batch=1):
     return fn
 
 
-def _client_node(run_config, loader=None):
+def _client_node(run_config, loader=None, model_fn=None):
     app = ClientApp()
     loader = loader if loader is not None else _loader()
-    jdp = JointDPClient(app, model_fn=Tiny, train_data=lambda ctx: loader)
+    jdp = JointDPClient(app, model_fn=model_fn or Tiny, train_data=lambda ctx: loader)
     ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 1},
                   state=RecordDict(), run_config=run_config)
     return app, jdp, ctx, loader
@@ -319,7 +319,8 @@ def test_reply_holds_only_shared_arrays_and_the_release_takes_the_scheduled_step
     calls = []
 
     def fn(net, loader_):
-        calls.append(len(loader_))
+        if not isinstance(loader_.dataset, _SyntheticSet):  # the dry run on synthetic records
+            calls.append(len(loader_))
         _sgd_train()(net, loader_)
 
     reply = jdp.train(train, ctx, Tiny(), loader, fn)
@@ -408,7 +409,8 @@ def test_user_unit_reports_users_and_samples_whole_users():
     def fn(net, loader_):
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         for x, y in loader_:
-            batches.append(len(y))
+            if not isinstance(loader_.dataset, _SyntheticSet):
+                batches.append(len(y))
             opt.zero_grad()
             nn.functional.cross_entropy(net(x), y).backward()
             opt.step()
@@ -433,3 +435,29 @@ def test_a_clientapp_without_the_client_half_is_named_at_set_up(example, run_con
     with pytest.raises(RuntimeError, match=r"failed at set-up: .*create JointDPClient\(app"):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(task.Net().state_dict()), num_rounds=2)
     assert not (Path(run_config["jdp.results-dir"]) / "ledger.json").exists()
+
+
+def test_the_users_model_class_loads_the_result_arrays(example, run_config, caplog):
+    """The unchanged quickstart saves ``result.arrays`` and reloads it into ``Net()``:
+    the shared layers as trained, the personal ones at their public initial values
+    (one log line says so)."""
+    _, task = example
+    initial = task.Net()
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        _, _, result = _start(example, run_config, initial=ArrayRecord(initial.state_dict()))
+    net = task.Net()
+    net.load_state_dict(result.arrays.to_torch_state_dict())  # no missing or unexpected key
+    assert torch.equal(net.fc3.weight, initial.fc3.weight)
+    assert not torch.equal(net.fc1.weight, initial.fc1.weight)
+    assert any("public initial values" in r.getMessage() for r in caplog.records)
+
+
+def test_rounds_epochs_and_batch_size_can_be_read_from_the_apps_own_keys():
+    """The jdp table may name the app's own key instead of repeating its value; a name
+    that is no key of the run config fails at start-up, naming both."""
+    rc = {"num-server-rounds": 4, "local-epochs": 2, "batch-size": 16, "jdp.personal-layers": "^fc3\\.",
+          "jdp.num-rounds": "num-server-rounds", "jdp.local-epochs": "local-epochs", "jdp.batch-size": "batch-size"}
+    cfg = namespaced_config(rc)
+    assert (cfg.num_rounds, cfg.local_epochs, cfg.batch_size) == (4, 2, 16)
+    with pytest.raises(ConfigError, match=r"'jdp.num-rounds' = 'rounds' names no key of your app's run config"):
+        namespaced_config(dict(rc, **{"jdp.num-rounds": "rounds"}))

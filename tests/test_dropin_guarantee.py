@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -35,7 +35,7 @@ def _config(placement: str) -> dict:
 
 
 def _round(placement: str, train_fn, loader=None, model_fn=Tiny):  # noqa: ANN001
-    app, jdp, ctx, loader = _client_node(_config(placement), loader)
+    app, jdp, ctx, loader = _client_node(_config(placement), loader, model_fn)
     torch.manual_seed(0)  # the same broadcast for neighbouring runs
     _, _, train = _setup_and_instruction(app, ctx, Z, Q, 1)
     torch.manual_seed(0)
@@ -76,12 +76,18 @@ def _neighbours(i: int, seed: int = 1) -> tuple[DataLoader, DataLoader]:
     return (DataLoader(TensorDataset(x, y), batch_size=8), DataLoader(TensorDataset(x2, y2), batch_size=8))
 
 
-def _max_move(placement: str, train_fn) -> float:  # noqa: ANN001
+def _max_move(placement: str, train_fn, model_fn=Tiny, outlier: bool = False) -> float:  # noqa: ANN001
+    """The largest release difference over neighbouring data sets (record i replaced;
+    ``outlier``: by x = 100 with its label flipped), same noise seed."""
     moves = []
     for i in range(0, N, 3):
         a, b = _neighbours(i)
-        moves.append(float(np.linalg.norm(_release(_round(placement, train_fn, a))
-                                          - _release(_round(placement, train_fn, b)))))
+        if outlier:
+            x, y = (t.clone() for t in a.dataset.tensors)
+            x[i], y[i] = 100.0, 1 - y[i]
+            b = DataLoader(TensorDataset(x, y), batch_size=8)
+        moves.append(float(np.linalg.norm(_release(_round(placement, train_fn, a, model_fn))
+                                          - _release(_round(placement, train_fn, b, model_fn)))))
     return max(moves)
 
 
@@ -91,22 +97,23 @@ def _bound(placement: str) -> float:
 
 # ------------------------------------- set aside: the release is the honest one
 def _multi_step_round(placement: str, train_fn, steps: int = 5, model_fn=Tiny):  # noqa: ANN001
-    app, jdp, ctx, loader = _client_node(_config(placement))
+    app, jdp, ctx, loader = _client_node(_config(placement), model_fn=model_fn)
     torch.manual_seed(0)
     _, _, train = _setup_and_instruction(app, ctx, Z, Q, steps)
     torch.manual_seed(0)
     return jdp.train(train, ctx, model_fn(), loader, train_fn)
 
 
-def _as_honest(placement: str, train_fn, caplog, says: str, steps: int = 5) -> None:  # noqa: ANN001
+def _as_honest(placement: str, train_fn, caplog, says: str | None, steps: int = 5) -> None:  # noqa: ANN001
     """The round releases exactly what the honest loop releases (same seeds), and the
-    node logs what the DP pass set aside."""
+    node logs what the DP pass set aside (``says``)."""
     honest = _release(_multi_step_round(placement, _sgd_loop(), steps))
     caplog.clear()
     with caplog.at_level("WARNING", logger="flwr"):
         got = _release(_multi_step_round(placement, train_fn, steps))
     np.testing.assert_array_equal(got, honest)
-    assert any(says in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    if says is not None:
+        assert any(says in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def _personal_fit_then(dp_fn):  # noqa: ANN001, ANN202
@@ -150,7 +157,7 @@ def test_a_hand_written_sgd_step_takes_no_dp_step_and_is_refused():
                         p -= 0.1 * p.grad
 
     _refused(_multi_step_round("local", _personal_fit_then(textbook), model_fn=_WithDropout),
-             "took no DP step")
+             "took no optimizer.step()")
     assert _multi_step_round("central", _personal_fit_then(textbook), model_fn=_WithDropout).has_content()
 
 
@@ -198,7 +205,7 @@ def _plateau(net, loader):  # noqa: ANN001
 
 
 def test_reduce_lr_on_plateau_on_the_training_loss_does_not_reach_the_release(caplog):
-    _as_honest("local", _personal_fit_then(_plateau), caplog, "changed during the DP pass")
+    _as_honest("local", _personal_fit_then(_plateau), caplog, None)  # the DP steps use the dry run's optimizer
 
 
 def test_a_second_optimizer_or_edited_optimizer_state_does_not_reach_the_release(caplog):
@@ -218,8 +225,8 @@ def test_a_second_optimizer_or_edited_optimizer_state_does_not_reach_the_release
             opt.step()
             opt.param_groups[0]["lr"] = float(x.abs().mean())  # settings from the data
 
-    _as_honest("local", _personal_fit_then(two_optimizers), caplog, "a second optimizer")
-    _as_honest("local", _personal_fit_then(state_edit), caplog, "changed during the DP pass")
+    _as_honest("local", _personal_fit_then(two_optimizers), caplog, None)
+    _as_honest("local", _personal_fit_then(state_edit), caplog, None)
 
 
 def test_a_closure_is_refused():
@@ -279,7 +286,7 @@ def test_a_weight_penalty_is_set_aside_and_a_hand_written_loss_refused(placement
         penalty.net = net
         _sgd_loop(penalty)(net, loader)
 
-    _as_honest(placement, _personal_fit_then(with_penalty), caplog, "weight penalty")
+    _as_honest(placement, _personal_fit_then(with_penalty), caplog, None)  # the plan's loss: the output's term only
     hand = _sgd_loop(lambda out, y: -(out.log_softmax(1)[torch.arange(len(y)), y]).mean())
     _refused(_round(placement, _personal_fit_then(hand)), "outside a torch loss function")
 
@@ -354,3 +361,132 @@ def test_a_broken_rule_is_not_charged_again_in_later_rounds(monkeypatch):
     _refused(replies[0], "outside a torch loss function")
     _refused(replies[1], "in an earlier round of this run")
     assert len(charged) == 1
+
+
+# ------------------------------------------ attacks from the privacy review
+class _TanhTiny(Tiny):
+    """Every record's gradient is non-zero (the ReLU Tiny's units die on this data)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_settings_and_loss_arguments_chosen_from_the_data_do_not_reach_the_release(placement):
+    """The learning rate, class weights or label smoothing a loop computes from a batch:
+    the DP steps use what the train function chose on synthetic records."""
+    def from_data(net, loader):  # noqa: ANN001
+        opt = None
+        for x, y in loader:
+            big = bool(x.abs().max() > 50)  # an outlier record in this batch (never in synthetic ones)
+            opt = opt or torch.optim.SGD(net.parameters(), lr=50 * LR if big else LR)
+            opt.zero_grad()
+            weight = torch.tensor([1.0, 1e-7]) if big else None
+            F.cross_entropy(net(x), y, weight=weight, label_smoothing=0.5 if big else 0.0).backward()
+            opt.step()
+
+    assert _max_move(placement, _personal_fit_then(from_data), _TanhTiny, outlier=True) \
+        <= _bound(placement) * (1 + 1e-4)
+
+
+def test_edits_of_the_batch_hooks_and_modes_do_not_reach_the_release(caplog):
+    """In-place edits of the batch's tensors, a forward hook that mixes the batch in, the
+    model's mode switched from the data: the DP steps run on the pass's own copy of
+    each batch and its own model; the release is the honest one."""
+    def meddling(net, loader):  # noqa: ANN001
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        for x, y in loader:
+            y.copy_(y.roll(1, 0))
+            net.body.register_forward_pre_hook(lambda m, a, x=x: (a[0] + x.mean(0),))
+            net.train(bool(x.mean() > 0))
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+
+    _as_honest("local", _personal_fit_then(meddling), caplog, None)
+
+
+def test_state_the_personal_fit_leaves_on_the_model_does_not_reach_the_release(caplog):
+    """A plain attribute set from the whole data set in the personal fit (not a parameter
+    or buffer): the DP steps run on a fresh model from model_fn."""
+    class Centred(_TanhTiny):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mu = torch.zeros(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x - self.mu)
+
+    def fit_sets_mu(net, loader):  # noqa: ANN001
+        if not isinstance(loader, PoissonLoader):
+            net.mu = loader.dataset.tensors[0].mean(0) * 100
+        return _sgd_loop()(net, loader)
+
+    honest = _release(_multi_step_round("local", _sgd_loop(), model_fn=Centred))
+    np.testing.assert_array_equal(_release(_multi_step_round("local", fit_sets_mu, model_fn=Centred)), honest)
+
+
+def test_no_more_steps_than_charged_and_exceptions_are_set_aside(caplog):
+    """Drawing batches past the round's steps is refused (on the dry run, whatever the
+    data); an exception in the DP pass on the owner's data is logged on the node and the
+    pass takes the remaining steps (the release is the honest one)."""
+    def greedy(net, loader):  # noqa: ANN001
+        _sgd_loop()(net, loader)
+        for _ in range(4):
+            loader._next_batch()  # noqa: SLF001 - past the round's steps: raises
+
+    def raising(net, loader):  # noqa: ANN001
+        for i, (x, y) in enumerate(loader):
+            if i == 2:
+                raise ValueError(f"secret {float(x.sum())}")
+            opt = torch.optim.SGD(net.parameters(), lr=LR)
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+
+    _refused(_multi_step_round("local", _personal_fit_then(greedy)), "yielded every batch of this round")
+    _as_honest("local", _personal_fit_then(raising), caplog, "raised ValueError")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_nan_record_in_the_personal_fit_neither_refuses_nor_moves_the_release(placement):
+    """A non-finite personal fit (one NaN record anywhere) keeps the previous personal
+    values; the release does not depend on whether the NaN record is there."""
+    x, y = _loader().dataset.tensors
+    bad_x = x.clone()
+    bad_x[0] = float("nan")
+    clean = _release(_round(placement, _sgd_loop(), DataLoader(TensorDataset(x, y), batch_size=8)))
+    dirty = _round(placement, _sgd_loop(), DataLoader(TensorDataset(bad_x, y), batch_size=8))
+    assert dirty.has_content(), dirty.error.reason
+    assert np.isfinite(_release(dirty)).all() and clean.shape == _release(dirty).shape
+
+
+def test_a_run_whose_owners_all_break_a_rule_fails_after_one_round(tmp_path):
+    """Every owner's train function breaks a rule of the DP pass (a hand-written loss):
+    the run ends as failed after the first round, not after max-skipped-rounds, with
+    one round's epsilon spent and saved."""
+    from flwr_jdp.privacy.ledger import PrivacyLedger
+    from flwr_jdp.strategies import JointDP, load_results
+
+    hand = _sgd_loop(lambda out, y: -(out.log_softmax(1)[torch.arange(len(y)), y]).mean())
+    app = ClientApp()
+    jdp = JointDPClient(app, model_fn=Tiny, train_data=lambda ctx: _loader())
+
+    @app.train()
+    def train(msg, context):  # noqa: ANN001, ANN202
+        return jdp.train(msg, context, Tiny(), _loader(), hand)
+
+    @app.evaluate()
+    def evaluate(msg, context):  # noqa: ANN001, ANN202
+        jdp.load(Tiny(), msg, context)
+        return Message(RecordDict({"metrics": MetricRecord({"accuracy": 0.5, "num-examples": 40})}), reply_to=msg)
+
+    rc = dict(_config("local"), **{"jdp.num-rounds": 3, "jdp.max-skipped-rounds": 3, "jdp.target-epsilon": 8.0,
+                                   "jdp.results-dir": str(tmp_path / "run")})
+    grid = InProcessGrid(app, 2, rc)
+    strategy = JointDP.from_run_config(rc, node_settle_s=0.0)
+    with pytest.raises(RuntimeError, match="breaks a rule of the DP pass"):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(Tiny().state_dict()), num_rounds=3)
+    res = load_results(str(tmp_path / "run"))
+    assert res["status"] == "failed" and res["rounds_completed"] == 1
+    assert [r["round"] for r in PrivacyLedger.load(tmp_path / "run" / "ledger.json").rounds] == [1]

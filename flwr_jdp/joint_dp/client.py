@@ -272,10 +272,31 @@ class JointDPClient:
                                  fit_on=digest, count_round=False)
         return model
 
+    def _release_model(self, context: Context, model: nn.Module, split: ParamSplit, shared: dict[str, np.ndarray],
+                       public: dict[str, np.ndarray]) -> nn.Module:
+        """A fresh model (``model_fn``; else a copy of ``model`` taken before any of the
+        user's code ran this round) holding the broadcast and the public personal values,
+        personal parameters frozen: the DP steps run on it, never on the model the
+        user's code has touched (its attributes, hooks, modes)."""
+        import copy
+
+        spec = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        try:
+            release = self._model(context)
+        except Exception:  # noqa: BLE001 - model_fn was checked at set-up; a copy does as well
+            release = None
+        if release is None or [(n, tuple(p.shape)) for n, p in release.named_parameters()] != spec:
+            release = copy.deepcopy(model)
+        set_arrays(release, {**shared, **public})
+        for n, p in release.named_parameters():
+            p.requires_grad_(n in split.shared)
+        return release
+
     @staticmethod
     def _fit_personal(model: nn.Module, split: ParamSplit, fit: Callable[[nn.Module], object]) -> None:
         params = dict(model.named_parameters())
         flags = {n: p.requires_grad for n, p in params.items()}
+        before = {n: params[n].detach().clone() for n in split.personal}
         try:
             for n in split.shared:
                 params[n].requires_grad_(False)
@@ -285,9 +306,12 @@ class JointDPClient:
                 p.requires_grad_(flags[n])
                 p.grad = None  # nothing of the fit carries into the release's steps
         bad = [n for n in split.personal if not torch.isfinite(params[n]).all()]
-        if bad:
-            raise UserLoopError(f"the train function made personal parameters {bad[:3]} non-finite "
-                                "(a diverging or non-finite loss?)")
+        if bad:  # kept local, whatever the data: the round goes on with the previous values
+            log(WARNING, "The personal fit made %s non-finite (a non-finite record or a diverging loss?); "
+                "the previous personal values are kept", bad[:3])
+            with torch.no_grad():
+                for n in split.personal:
+                    params[n].copy_(before[n])
 
     # ------------------------------------------------------------------- train
     def train(self, msg: Message, context: Context, model: nn.Module, train_loader: DataLoader,
@@ -302,7 +326,7 @@ class JointDPClient:
             reason = f"refused: {err}"
         except (ConfigError, UserLoopError) as err:
             log(WARNING, "Train round failed (nothing sent): %s", err)
-            reason = str(err)
+            reason = f"{protocol.BROKEN_RULE}: {err}" if getattr(err, "structural", False) else str(err)
         except Exception as err:  # noqa: BLE001 - the user's code: its message may hold data
             log(ERROR, "Train round failed (nothing sent): %s: %s", type(err).__name__, err)
             reason = f"the train round raised {type(err).__name__} (its message is in the node's log, not sent)"
@@ -320,10 +344,12 @@ class JointDPClient:
         instruction = read_instructions(cfg, cfg_rec, [o])[o]
         refused = context.state.get(f"{REFUSED_KEY}.{o}")
         if isinstance(refused, ConfigRecord):  # the same code would break the same rule: spend nothing
-            raise UserLoopError(f"the train function broke a rule of the DP pass in an earlier round of this run "
-                                f"({refused['reason']}); fix it and start a new run")
+            raise UserLoopError(f"{refused['reason']} (in an earlier round of this run: fix it and start a new "
+                                "run)", structural=True)
         charge_owners(cfg, context, {o: size}, {o: instruction}, session)  # local noise only
         split, shared = self._load(cfg, model, msg, context, session)
+        release_model = (self._release_model(context, model, split, shared, self._public(context, split))
+                         if cfg.dp and cfg.unit is not PrivacyUnit.OWNER else None)
         generator = owner_generator(cfg, instruction.server_round, o)
         digest = shared_digest(shared)
         if not cfg.dp:  # the FedAvg and per-silo baselines: no noise, every parameter trained
@@ -338,20 +364,22 @@ class JointDPClient:
                 set_arrays(model, shared)  # the release starts from the broadcast, whatever the fit did
             unit_of_record, num_units = self._units(cfg, context, size.num_records)
             central = cfg.placement is NoisePlacement.CENTRAL
-            with public_personal_swapped(model, split, self._public(context, split)) as m, \
-                    private_training(m, loader, unit_of_record=unit_of_record, num_units=num_units,
-                                     sample_rate=instruction.sample_rate,
-                                     steps=1 if central else instruction.steps,
-                                     noise_multiplier=instruction.noise_multiplier,
-                                     clipping_norm=cfg.clipping_norm, generator=generator,
-                                     secure=cfg.secure_noise, capture=central,
-                                     epochs=1 if central else cfg.local_epochs) as (private, ploader, record):
-                try:
+            public = self._public(context, split)
+            try:
+                with public_personal_swapped(model, split, public) as m, \
+                        private_training(m, loader, unit_of_record=unit_of_record, num_units=num_units,
+                                         sample_rate=instruction.sample_rate,
+                                         steps=1 if central else instruction.steps,
+                                         noise_multiplier=instruction.noise_multiplier,
+                                         clipping_norm=cfg.clipping_norm, generator=generator,
+                                         secure=cfg.secure_noise, capture=central,
+                                         epochs=1 if central else cfg.local_epochs, train_fn=train_fn,
+                                         release_model=release_model) as (private, ploader, record):
                     _run_user_code(train_fn, private, ploader)
-                except UserLoopError as err:
-                    if err.structural:
-                        context.state[f"{REFUSED_KEY}.{o}"] = ConfigRecord({"reason": str(err)})
-                    raise
+            except UserLoopError as err:
+                if err.structural:  # the same code breaks the same rule next round: charge nothing more
+                    context.state[f"{REFUSED_KEY}.{o}"] = ConfigRecord({"reason": str(err)})
+                raise
             if not central:  # the trainable (shared) parameters as the last DP step left them
                 release = {n: record.release[n].detach().cpu().numpy() for n in split.shared}
             else:  # the clipped sum is in ``record`` once private_training has closed

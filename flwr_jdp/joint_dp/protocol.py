@@ -72,3 +72,8 @@ def parse_owner_key(key: str, prefix: str = "owner") -> int | None:
     if head != prefix or not rest.isdigit():
         return None
     return int(rest)
+
+
+#: How an owner's error reply begins when its train function breaks a rule of the DP
+#: pass (checked on synthetic records, so the same code breaks it every round).
+BROKEN_RULE = "the train function breaks a rule of the DP pass"

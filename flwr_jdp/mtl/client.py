@@ -66,6 +66,7 @@ from flwr_jdp.config_check import ConfigError
 
 from .algorithm import MTLConfig
 from .config import namespaced_mtl_config
+from .health import divergence_hint
 from .local import project_ball
 from .protocol import (
     CONFIG,
@@ -286,7 +287,7 @@ class MTLClient:
             with mean_regularized(model, mean, cfg.lam):
                 fit(model)
             if not np.all(np.isfinite(flatten(model))):
-                raise MTLClientError("fine-tuning made the model non-finite (a diverging or non-finite loss?)")
+                raise MTLClientError(f"fine-tuning made the model non-finite: {divergence_hint(mean, cfg)}")
         return model
 
     # ------------------------------------------------------------------- train
@@ -318,8 +319,7 @@ class MTLClient:
                 "(w_k is only projected)", k)
         w = flatten(model)
         if not np.all(np.isfinite(w)):
-            raise MTLClientError(f"task {k}: training made the model non-finite (a diverging or non-finite "
-                                 "loss or learning rate?)")
+            raise MTLClientError(f"task {k}: training made the model non-finite: {divergence_hint(mean, cfg)}")
         w = np.ascontiguousarray(project_ball(w, cfg.radius), dtype=np.float64)
         context.state[STATE_PREFIX + str(k)] = ArrayRecord({"w": Array(w)})
         reply = RecordDict({MODELS: ArrayRecord({task_key(k): Array(w)}),

@@ -22,7 +22,9 @@ puts the keys in a ``[tool.flwr.app.config.jdp]`` table, which Flower flattens t
 ``jdp.<key>``: :func:`namespaced_mtl_config`. There the tasks are the app's own
 (one per node, ``num-tasks = 0``: as many as the nodes' ``num-partitions``) and its
 own train function does the local work, so the keys of the numpy app's tasks and
-steps (``dataset``, ``local-steps``, ``lr``, ``finetune-steps``, ...) are refused.
+steps (``dataset``, ``local-steps``, ``lr``, ``finetune-steps``, ...) are refused, and
+so are ``lambda``, ``radius``, ``calibration`` and the privacy keys written outside
+the ``jdp`` table (:data:`MTL_KEYS_REFUSED_OUTSIDE`), naming the table.
 """
 
 from __future__ import annotations
@@ -122,6 +124,11 @@ NUMPY_APP_ONLY = tuple(k for k in _keys(TaskSource) if k != "num-tasks") + (
 DROPIN_EXTRAS: dict[str, Any] = {"num-tasks": 0, "results-dir": "", "noise-seed": -1, "resume": True,
                                  "max-skipped-rounds": 3}
 NAMESPACE = "jdp"
+#: DP-MTL keys no app is likely to use for itself (besides :data:`PRIVACY_KEYS`): one
+#: outside the ``jdp`` table is refused naming the table, not silently ignored. Keys
+#: an app may well keep for itself (``rounds``, ``fraction-train``, ``num-tasks``,
+#: ``results-dir``, ``resume``) are left to the app.
+MTL_KEYS_REFUSED_OUTSIDE = ("lambda", "radius", "calibration")
 
 
 def dropin_keys() -> tuple[str, ...]:
@@ -142,13 +149,14 @@ def namespaced_mtl_config(run_config: dict[str, Any]) -> tuple[int, MTLConfig, d
             raise ConfigError(f"run-config key '{key}' is a key of the numpy DP-MTL app ((apps/dp_mtl)); "
                               "with MTLClient the ClientApp's own data loaders and train function define "
                               "the tasks, their local steps and learning rate")
-    refuse_misplaced(run_config, prefix, set(dropin_keys()) & ({*PRIVACY_KEYS, "radius"}))
+    refuse_misplaced(run_config, prefix, set(dropin_keys()) & {*PRIVACY_KEYS, *MTL_KEYS_REFUSED_OUTSIDE})
     values = namespace(run_config, prefix, dropin_keys(), "the DP-MTL keys")
     extras = {k: coerce(prefix + k, values.get(k, v), v) for k, v in DROPIN_EXTRAS.items()}
     need(extras["num-tasks"] == 0 or extras["num-tasks"] >= 2, f"{prefix}num-tasks",
          "0 (one task per node) or >= 2", extras["num-tasks"])
     need(extras["max-skipped-rounds"] >= 1, f"{prefix}max-skipped-rounds", ">= 1", extras["max-skipped-rounds"])
-    cfg = parse_dataclass(MTLConfig, run_config, _keys(MTLConfig), prefix)
+    resolved = {prefix + k: v for k, v in values.items()}  # "rounds = 'num-server-rounds'": that key's value
+    cfg = parse_dataclass(MTLConfig, resolved, _keys(MTLConfig), prefix)
     return int(extras.pop("num-tasks")), cfg, extras
 
 

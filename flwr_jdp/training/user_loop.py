@@ -27,32 +27,34 @@ and divides by the expected batch ``q N``; the optimizer then applies that gradi
 them per round: what the ledgers record (:func:`flwr_jdp.privacy.events.dp_sgd`).
 Under central noise (``capture``) the clipped sum is kept instead and nothing moves.
 
-The DP pass owns the release: it is the trajectory the DP steps make from the
-broadcast, whatever else the train function does. The pass keeps that trajectory
-(every parameter and buffer of the model) and puts it back wherever the train
-function changed it (a ``no_grad`` edit, a hand-written update, ``load_state_dict``
-of a best iterate) before each loss, each step and at the end. The DP steps apply
-the noised gradients with the pass's own copy of the user's optimizer (its class
-and settings at the first step), so a scheduler, ``ReduceLROnPlateau`` on the
-training loss or an edit of the optimizer's state never reach them; the user's
-optimizer itself moves nothing. Steps the train function leaves out (an early stop,
-a skipped batch, fewer passes than ``local-epochs``) are taken by the pass after it
-returns, on the next Poisson batches, with the train function's loss and
-optimizer. Each such thing is logged once on the node. None of this depends on
-the data: what the user's code decides from the data never changes the release,
-and never decides whether the owner refuses.
+The DP pass owns the release. With the train function given (the drop-in client),
+:func:`private_training` first runs it on two synthetic records shaped as the owner's
+(:func:`_dry_run`, on a copy of the model): that reads none of the owner's data, fixes
+the loss and its arguments, the optimizer (a ``torch.optim`` class and its settings), the
+model's modes and device (:class:`_Plan`), and checks every rule below, so a refusal
+(:class:`UserLoopError`, nothing sent) cannot depend on the data. On the owner's data
+(:class:`_ReleasePass`) the DP steps run on the pass's own model and its own copy of each
+batch with the plan's loss and optimizer; step k uses Poisson draw k, at most ``steps``
+draws exist, and the steps the train function leaves out are taken at the end. The train
+function only paces the steps (each ``optimizer.step()`` takes the ones due) and sees
+their trajectory in its model; whatever else it does (edits of the model or the batch,
+hooks, modes, a scheduler, loss arguments chosen from a batch, an early stop, an
+exception) is set aside with one line on the node. The release is the DP steps'
+trajectory.
 
-The round is refused (:class:`UserLoopError`, nothing sent, the round already
-charged) only for code whose records cannot be kept apart, whatever the data:
+Refused on the dry run, whatever the data:
 
 - the model's inputs or the loss's target are not tensors of the current batch
   (moved to a device, cast or reshaped is fine; records transformed or mixed inside
   the loop, such as mixup, are not);
 - the loss is not a torch loss function on the model's output (a hand-written loss,
   the output transformed first), or a second loss on one batch's output;
-- per-record weights in the loss, ``step(closure)``, keyword arguments to the
-  model, a model whose output rows are not one record each (Opacus's path), or a
-  train function that takes no DP step at all.
+- per-record weights in the loss, ``step(closure)``, an optimizer from outside
+  ``torch.optim``, keyword arguments to the model, a model whose output rows are not
+  one record each (Opacus's path), no loss or no optimizer step at all.
+
+Without the train function given, the same rules are checked as the block's train
+function runs (what the dry run does).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from logging import WARNING
+from logging import ERROR, WARNING
 
 import torch
 import torch.nn.functional as F
@@ -126,7 +128,9 @@ class PoissonBatches:
             yield self.draw()
 
     def draw(self) -> list[int]:
-        """The next Poisson sample (the records' indices)."""
+        """The next Poisson sample (the records' indices); never more than ``steps``."""
+        if self.drawn >= self.steps:
+            raise UserLoopError("the private loader has yielded every batch of this round")
         self.current = _draw_batch(self.unit_of_record, self.num_units, self.rate, self.generator, self.secure)
         self.drawn += 1
         return self.current.records.tolist()
@@ -165,7 +169,7 @@ class PoissonLoader(DataLoader):
 
         def collate_or_empty(items):
             batch = collate(items) if items else _empty_like(collate([dataset[0]]))
-            sampler.tensors = _tensors_of(batch)
+            sampler.tensors = [t.detach().clone() for t in _tensors_of(batch)]  # the pass's own copy
             if sampler.on_batch is not None:
                 sampler.on_batch(sampler.drawn, sampler.current, sampler.tensors)
             return batch
@@ -174,7 +178,7 @@ class PoissonLoader(DataLoader):
         self.poisson = sampler
         self.collate_or_empty = collate_or_empty
 
-    def next_batch(self):  # noqa: ANN201 - the user's collated structure
+    def _next_batch(self):  # noqa: ANN201 - the user's collated structure
         """Draw the next Poisson sample and collate it, outside the user's loop."""
         return self.collate_or_empty([self.dataset[i] for i in self.poisson.draw()])
 
@@ -204,7 +208,7 @@ def _source(t: torch.Tensor, batch: list[torch.Tensor], n: int, rows_exact: bool
     for i, b in enumerate(batch):
         if b.dim() == 0 or b.shape[0] != n or b.numel() != t.numel() or (n == 0 and b.shape[1:] != t.shape[1:]):
             continue
-        if b is t or torch.equal(b.detach().to(t.device, t.dtype).reshape(t.shape), t.detach()):
+        if b is t or _equal(t.detach(), b.detach().to(t.device, t.dtype).reshape(t.shape)):
             return _Source(i, t.dtype, t.device, tuple(t.shape[1:]), t.shape[0] // n if n else 1)
     return None
 
@@ -372,7 +376,9 @@ class _DPPass:
         self.shapes = _SHAPES
         #: the model's kind and parameter shapes (what the cached shapes and layer roles hold for)
         self.kind = (per_sample.model_kind(model), tuple((n, tuple(p.shape)) for n, p in self.named.items()))
-        self.checked_kinds: set[tuple] = set()
+        self.checked_kinds = _CHECKED_KINDS
+        self.modes: dict[str, bool] | None = None
+        self.device = torch.device("cpu")
 
     # ------------------------------------------------------- refusals and notes
     def refuse(self, reason: str) -> None:
@@ -496,6 +502,9 @@ class _DPPass:
         for name, value in params.items():
             if isinstance(value, torch.Tensor) and value.dim() >= out.dim():
                 self.refuse(f"the loss's '{name}' has a value per record: weights must be per class")
+        if self.modes is None:  # what the release pass runs the model in (the dry run's first loss)
+            self.modes = {name: m.training for name, m in self.model.named_modules()}
+            self.device = next(iter(self.params)).device
         k = out.shape[0] // n if n else 0
         call = _LossCall(func, params, reduction, fwd.sources, target_source, tuple(out.shape[1:]), k)
         if n and self.last_loss is not None and self.last_loss.k and not self.last_loss.same(call):
@@ -675,6 +684,8 @@ class _DPPass:
         held = {id(p) for g in groups for p in g["params"]}
         if held != ours:
             self.refuse("one optimizer must hold every trainable parameter of the model")
+        if not type(optimizer).__module__.startswith("torch.optim"):
+            self.refuse(f"the DP steps use torch.optim's optimizers only (got {type(optimizer).__qualname__})")
         try:
             return type(optimizer)(groups, **optimizer.defaults)
         except Exception as err:  # noqa: BLE001 - a custom optimizer's constructor
@@ -737,7 +748,7 @@ class _DPPass:
                                "them, on their own batches in order, with the train function's loss and optimizer")
             self._catch_up(self.sampler.drawn + 1)
             while self.steps_taken < steps:
-                self.loader.next_batch()
+                self.loader._next_batch()  # noqa: SLF001
                 self._step_on(self.sampler.drawn)
             self.steps_completed = self.steps_taken - before
         if self.user_optimizer is not None:
@@ -759,6 +770,249 @@ class _DPPass:
             self.engine.close()
         if self.gsm is not None:
             self.gsm._close()  # noqa: SLF001 - removes Opacus hooks, leaves the plain model
+
+
+# ------------------------------------------------------- the dry run and the release
+@dataclass(frozen=True)
+class _Plan:
+    """What the DP pass takes from the dry run (the train function on synthetic records):
+    the loss, the optimizer, the model's modes and device. Nothing in it depends on the
+    owner's data, so neither does anything decided from it."""
+
+    call: _LossCall
+    optimizer: tuple[type, dict, list[tuple[dict, list[str]]]] | None  # class, defaults, groups
+    modes: dict[str, bool]
+    device: torch.device
+
+
+def _synthetic(item, generator: torch.Generator):  # noqa: ANN001, ANN202
+    """``item`` (one record, as the data set gives it) with its values replaced: floats
+    drawn from N(0, 1), integers and booleans zero. Only the structure, shapes and
+    dtypes of the owner's data are kept."""
+    if isinstance(item, torch.Tensor):
+        if item.is_floating_point():
+            return torch.randn(item.shape, generator=generator, dtype=item.dtype)
+        return torch.zeros_like(item)
+    if isinstance(item, dict):
+        return type(item)({k: _synthetic(v, generator) for k, v in item.items()})
+    if isinstance(item, list | tuple):
+        return type(item)(_synthetic(v, generator) for v in item)
+    if isinstance(item, bool | int):
+        return type(item)(0)
+    if isinstance(item, float):
+        return 0.0
+    return item
+
+
+class _BothRecords(PoissonBatches):
+    """The dry run's batches: both synthetic records, every time (no sampling)."""
+
+    def draw(self) -> list[int]:
+        if self.drawn >= self.steps:
+            raise UserLoopError("the private loader has yielded every batch of this round")
+        self.current = UnitBatch(torch.tensor([0, 1]), torch.tensor([0, 1]), 2)
+        self.drawn += 1
+        return [0, 1]
+
+
+class _SyntheticSet(torch.utils.data.Dataset):
+    """Two synthetic records shaped as the owner's (the dry run's data); its length is the
+    owner's (public) data size, as a train function may read it."""
+
+    def __init__(self, dataset, size: int) -> None:  # noqa: ANN001
+        g = torch.Generator().manual_seed(0)
+        self.items = [_synthetic(dataset[0], g) for _ in range(2)]
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):  # noqa: ANN204
+        return self.items[i % 2]
+
+
+def _dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, steps: int, epochs: int,
+             capture: bool) -> _Plan:
+    """The train function on a copy of the model and two synthetic records: every rule of
+    the DP pass is checked here (a refusal is structural: it cannot depend on the owner's
+    data), and the loss, optimizer, modes and device it used become the plan."""
+    import copy
+
+    dry_model = copy.deepcopy(model)
+    dataset = _SyntheticSet(loader.dataset, len(loader.dataset))  # type: ignore[arg-type]
+    sampler = _BothRecords(torch.tensor([0, 1]), 2, 1.0, min(steps, 2), torch.Generator().manual_seed(0),
+                           False, min(epochs, 2))
+    dry_loader = PoissonLoader(dataset, sampler, loader.collate_fn)
+    dry = _DPPass(dry_model, dry_loader, 1.0, None, torch.Generator().manual_seed(0), capture=True)
+    private = PrivateModule(dry_model, dry)
+    handles = [register_optimizer_step_pre_hook(dry.before_step), register_optimizer_step_post_hook(dry.after_step)]
+    try:
+        try:
+            train_fn(private, dry_loader)
+        except UserLoopError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the user's code
+            log(WARNING, "The train function raised on synthetic records: %s: %s", type(err).__name__, err)
+            dry.refuse(f"the train function raised {type(err).__name__} on synthetic records shaped as yours "
+                       "(its message is in the node's log)")
+        if dry.refusal is not None:
+            raise UserLoopError(dry.refusal, structural=True)
+        if dry.last_loss is None or dry.modes is None:
+            dry.refuse("the train function computed no torch loss on the model's output")
+        if dry.user_optimizer is None and not capture:
+            dry.refuse("the train function took no optimizer.step(): take one step per batch of the loader")
+    finally:
+        for h in handles:
+            h.remove()
+        dry.close()
+    optimizer = None
+    if dry.user_optimizer is not None:
+        names = {id(p): n for n, p in dry_model.named_parameters()}
+        groups = []
+        for g, settings in zip(dry.user_optimizer.param_groups, dry.first_settings, strict=True):
+            ps = [names[id(p)] for p in g["params"] if names.get(id(p)) in dry.trainable]
+            if ps:
+                groups.append((settings, ps))
+        optimizer = (type(dry.user_optimizer), dict(dry.user_optimizer.defaults), groups)
+    return _Plan(dry.last_loss, optimizer, dict(dry.modes), dry.device)
+
+
+class _ReleasePass(_DPPass):
+    """The DP pass on the owner's data, after the dry run. The DP steps run on the pass's
+    own model (``private``: the release's parameters, never handed to user code) and its
+    own copy of each batch, with the plan's loss and optimizer: the user's train function
+    only paces them (each ``optimizer.step()`` takes the steps due, in draw order) and
+    sees the trajectory in its model. Nothing it does is refused: whatever differs from
+    the plan, or an exception, is set aside with a note, and the steps it leaves are
+    taken at the end."""
+
+    def __init__(self, user_model: nn.Module, private: nn.Module, loader: PoissonLoader, clipping_norm: float,
+                 mechanism: GaussianSumMechanism | None, generator: torch.Generator, capture: bool,
+                 plan: _Plan) -> None:
+        private.to(plan.device)
+        for name, m in private.named_modules():
+            m.training = plan.modes.get(name, m.training)
+        super().__init__(private, loader, clipping_norm, mechanism, generator, capture)
+        self.user_model = user_model
+        self.user_params = {n: p for n, p in user_model.named_parameters()}
+        self.plan = plan
+        self.last_loss = plan.call
+        self.last_outputs: torch.Tensor | None = None
+        if plan.optimizer is not None and not capture:
+            cls, defaults, groups = plan.optimizer
+            params = dict(private.named_parameters())
+            self.optimizer = cls([{**settings, "params": [params[n] for n in names]} for settings, names in groups],
+                                 **defaults)
+
+    # ------------------------------------------------------- what the user sees
+    def sync_user(self) -> None:
+        """The user's model shows the trajectory (its own edits are overwritten)."""
+        changed = []
+        with torch.no_grad():
+            for n, p in self.user_params.items():
+                want = self.named[n]
+                if not _equal(p.detach(), want.detach().to(p.device, p.dtype)):
+                    p.copy_(want.detach().to(p.device, p.dtype))
+                    changed.append(n)
+        if changed and self.steps_taken:
+            self.note("changed", f"the train function changed {changed[:3]} outside the DP steps; the release "
+                                 "is the DP steps' own trajectory (no_grad edits, hand-written updates and "
+                                 "restored iterates do not reach it)")
+
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+        if not torch.is_grad_enabled() or kwargs or not args or \
+                not all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
+            return module(*args, **kwargs)
+        inputs = tuple(a.detach() for a in args)
+        shape, dtype, device = self._record_shape(module, inputs)
+        fwd = _Forward(inputs, (), self.sampler.drawn,
+                       torch.full((inputs[0].shape[0], *shape), float("nan"), dtype=dtype, device=device))
+        return _pending(fwd.values, fwd, self)
+
+    def fill(self, fwd: _Forward) -> None:
+        if fwd.filled:
+            return
+        with torch.no_grad():
+            fwd.values.copy_(self.user_model(*fwd.inputs))
+        fwd.filled = True
+
+    def loss(self, func, args: tuple, kwargs: dict) -> torch.Tensor:  # noqa: ANN001
+        out = args[0] if args else kwargs["input"]
+        draw = self.sampler.drawn
+        if func is not self.plan.call.func:
+            self.note("loss", "the train function's loss differs from the one it used on synthetic records; "
+                              "the DP steps used that one")
+        if draw in self.unstepped and self.ready_draw != draw:
+            self._grads(draw)
+        fwd = out._fwd
+        if not fwd.filled:
+            if self.ready_draw == draw and self.last_outputs is not None \
+                    and tuple(self.last_outputs.shape) == tuple(fwd.values.shape):
+                with torch.no_grad():
+                    fwd.values.copy_(self.last_outputs.to(fwd.values.device))
+                fwd.filled = True
+            else:
+                self.fill(fwd)
+        try:
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # noqa: SLF001
+                value = func(*(a.as_subclass(torch.Tensor) if isinstance(a, PendingOutput) else a for a in args),
+                             **kwargs)
+        except Exception:  # noqa: BLE001 - the value is for the user's eyes only
+            value = torch.tensor(float("nan"))
+        return value.detach().requires_grad_(True)
+
+    # ---------------------------------------------------------------- steps
+    def _grads(self, draw: int) -> None:
+        """Each record's gradient on batch ``draw``, with the plan's loss, on the pass's model."""
+        call = self.plan.call
+        sample, tensors = self.unstepped[draw]
+        n = len(sample.records)
+        inputs = tuple(s.of(tensors, n) for s in call.inputs)
+        with torch.no_grad():
+            fwd = self._pending(self.model, inputs, call.inputs, n, draw)._fwd
+        self._gradients(fwd, call.target.of(tensors, n), call)
+        self.last_outputs = fwd.values
+
+    def _advance(self, upto: int) -> None:
+        """The DP steps due: every drawn batch up to ``upto`` not yet stepped on, in order."""
+        for d in sorted(x for x in self.unstepped if x <= upto):
+            if self.ready_draw != d:
+                self._grads(d)
+            self._dp_step(d)
+        self.sync_user()
+
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        ids = {id(p) for p in self.user_params.values() if p.requires_grad}
+        return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.inside or not self.owns(optimizer):
+            return
+        if self.steps_taken >= self.sampler.drawn and self.sampler.drawn:
+            self.note("step", "optimizer.step() was called without a new batch (a second step per batch?); "
+                              "the DP pass did not step there")
+        self._advance(self.sampler.drawn)
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                p.grad = None  # the user's optimizer moves nothing
+
+    def after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self.inside and self.owns(optimizer):
+            self.sync_user()
+
+    def finish(self, steps: int, epochs: int) -> None:
+        before = self.steps_taken
+        self._advance(self.sampler.drawn)
+        while self.steps_taken < steps:
+            self.loader._next_batch()  # noqa: SLF001
+            self._advance(self.sampler.drawn)
+        if self.steps_taken > before:
+            self.note("steps", f"the train function left DP steps untaken (a skipped batch, an early stop, or "
+                               f"fewer passes over the loader than local-epochs = {epochs}); the DP pass took them, "
+                               "on their own batches in order, with its loss and optimizer")
+        self.sync_user()
+        for text in self.set_aside.values():
+            log(WARNING, "DP pass: %s", text)
 
 
 class PrivateModule(nn.Module):
@@ -818,6 +1072,8 @@ def private_training(
     secure: bool = False,
     capture: bool = False,
     epochs: int = 1,
+    train_fn: Callable[[nn.Module, DataLoader], object] | None = None,
+    release_model: nn.Module | None = None,
 ) -> Iterator[tuple[nn.Module, PoissonLoader, PrivateRound]]:
     """Yield ``(private model, private loader, record)`` for the user's train function.
 
@@ -825,9 +1081,16 @@ def private_training(
     private; freeze the others before. Each pass over the private loader yields an
     ``epochs``-th of the ``steps`` (the run's ``local-epochs``). With ``capture``
     (central noise) no noise is added and no parameter moves: the clipped sum of the
-    batches is kept in the record (use ``steps=1``). On a clean exit the record holds
-    the release; a train function that broke a rule of the DP pass (module
-    docstring) raises :class:`UserLoopError` instead, here or at its step."""
+    batches is kept in the record (use ``steps=1``).
+
+    With ``train_fn`` (the drop-in client), the function the caller then runs in the
+    block, the pass first runs it on synthetic records (:func:`_dry_run`; a rule it
+    breaks raises :class:`UserLoopError` here, before any of the owner's data is
+    read), then runs the DP steps on ``release_model`` (default: a copy of
+    ``model``) with the dry run's loss and optimizer, paced by the train function
+    in the block; its exceptions are set aside and the record always holds the
+    release. Without it the block's train function is checked as it runs (a rule it
+    breaks raises :class:`UserLoopError`, here or at its step)."""
     if not any(p.requires_grad for p in model.parameters()):
         raise UserLoopError("no trainable parameter to train privately")
     # the noise has its own stream, seeded from the round's generator: the k-th step's noise
@@ -839,14 +1102,31 @@ def private_training(
     mech = None if capture else GaussianSumMechanism(noise_multiplier, clipping_norm, expected, secure=secure)
     for p in model.parameters():
         p.grad = None
-    dp_pass = _DPPass(model, private_loader, clipping_norm, mech, noise, capture)
+    if train_fn is not None:
+        import copy
+
+        plan = _dry_run(model, loader, train_fn, steps, epochs, capture)
+        release = release_model if release_model is not None else copy.deepcopy(model)
+        dp_pass: _DPPass = _ReleasePass(model, release, private_loader, clipping_norm, mech, noise, capture, plan)
+    else:
+        dp_pass = _DPPass(model, private_loader, clipping_norm, mech, noise, capture)
     record = PrivateRound(steps_planned=int(steps))
     private = PrivateModule(model, dp_pass)
     handles = [register_optimizer_step_pre_hook(dp_pass.before_step),
                register_optimizer_step_post_hook(dp_pass.after_step)]
     try:
-        yield private, private_loader, record
+        try:
+            yield private, private_loader, record
+        except Exception as err:  # noqa: BLE001 - after the dry run, nothing the user's code does is refused
+            if train_fn is None:
+                raise
+            log(ERROR, "The train function raised in the DP pass: %s: %s", type(err).__name__, err)
+            dp_pass.note("raised", f"the train function raised {type(err).__name__} in the DP pass (its message "
+                                   "is above); the DP pass took the remaining steps")
+        before = dp_pass.steps_taken
         dp_pass.finish(steps, epochs)
+        if train_fn is not None:
+            dp_pass.steps_completed = dp_pass.steps_taken - before
     finally:
         for h in handles:
             h.remove()
@@ -863,6 +1143,8 @@ def private_training(
             "epochs as your loop (it is charged accordingly)", sampler.passes, epochs, sampler.passes)
 
 
+#: Model kinds whose output rows were checked to be one record each (Opacus's path).
+_CHECKED_KINDS: set[tuple] = set()
 #: Each model kind's factored linear layers (:class:`~flwr_jdp.training.per_sample.FuncPerSample`).
 _LINEAR: dict[tuple, set[str] | None] = {}
 #: Each model kind's output shape per record, by its inputs' per-record shapes.

@@ -96,6 +96,9 @@ class Results:
     def failure_reasons(self) -> str:
         return "; ".join(list(dict.fromkeys(self.last_drop_reasons))[:3]) or "no reply arrived"
 
+    def cannot_progress(self) -> bool:
+        return bool(self.last_drop_reasons) and all(protocol.BROKEN_RULE in r for r in self.last_drop_reasons)
+
     def round_row(self, server_round: int, train_metrics: MetricRecord | None,
                   eval_metrics: MetricRecord | None) -> dict:
         cfg = self.cfg

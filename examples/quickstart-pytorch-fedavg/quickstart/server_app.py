@@ -1,5 +1,6 @@
 """The ServerApp: the strategy runs the rounds over the nodes."""
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
@@ -16,3 +17,4 @@ def main(grid: Grid, context: Context) -> None:
                             num_rounds=context.run_config["num-server-rounds"],
                             train_config=ConfigRecord({"lr": context.run_config["learning-rate"]}))
     print(f"final evaluation: {result.evaluate_metrics_clientapp}")
+    torch.save(result.arrays.to_torch_state_dict(), "final_model.pt")
