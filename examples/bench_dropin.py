@@ -163,6 +163,7 @@ def run_variant(name: str, args, apps, base_cfg: dict) -> dict:
     from flwr.clientapp import ClientApp
     from flwr.clientapp.mod import fixedclipping_mod
     from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
+
     from flwr_jdp.strategies import JointDP
 
     task, jdp_client, fedavg_client = apps

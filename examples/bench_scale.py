@@ -14,7 +14,7 @@ Configurations:
 2. the same (first placement) with ``--small-owners`` owners on the same nodes: the
    slope (peak at ``--owners`` - peak at ``--small-owners``) / (owners added) is the
    memory per added owner (records per owner kept equal, so the data grow too);
-3. plain Flower FedAvg (``flwr_jdp/joint_dp/fedavg_app.py``, no DP) with ``--owners`` owners,
+3. plain Flower FedAvg (``apps/fedavg``, no DP) with ``--owners`` owners,
    one per SuperNode (the only way that app hosts owners), ``--fedavg-rounds``
    rounds: the round-time ratio at the same scale (joint DP's steady round from 1.
    over FedAvg's); with ``--same-layout`` joint DP also runs on ``--owners``
@@ -147,12 +147,12 @@ class TreeSampler(threading.Thread):
 
 # ------------------------------------------------------------------ one simulation (child)
 def fedavg_main_recording(out: dict):
-    """``flwr_jdp/joint_dp/fedavg_app.main``, keeping the last round's federated accuracy."""
+    """``apps/fedavg``'s ServerApp ``main``, keeping the last round's federated accuracy."""
     from flwr.app import ArrayRecord
     from flwr.serverapp.strategy import FedAvg
 
+    from apps.fedavg.fedavg.task import initial_model
     from flwr_jdp.joint_dp.config import parse_config
-    from flwr_jdp.joint_dp.task import initial_model
 
     def main(grid, context):  # noqa: ANN001, ANN202
         cfg = parse_config(context.run_config)
@@ -167,12 +167,12 @@ def fedavg_main_recording(out: dict):
 
 
 def run_child(spec: dict) -> dict:
-    from flwr_jdp.joint_dp import fedavg_app
+    from apps.fedavg.fedavg import server_app as fedavg_server
     from research.simulation import simulate
 
     extra: dict = {}
     if spec["app"] == "fedavg":
-        fedavg_app.main = fedavg_main_recording(extra)  # simulate() reads the attribute
+        fedavg_server.main = fedavg_main_recording(extra)  # simulate() reads the attribute
     t = time.time()
     timing = simulate(spec["app"], spec["config"], num_supernodes=spec["nodes"])
     timing["total_wall_s"] = time.time() - t
@@ -348,7 +348,7 @@ def write(args, base: dict, runs: list[dict], slope: dict, ratio: dict | None, o
                  "PSS splits them. per_owner_mb: (peak at --owners - peak at --small-owners) / owners added, "
                  "same SuperNodes, same records per owner. ratio_vs_fedavg: steady round of joint DP "
                  "(run named there) / plain Flower FedAvg (one owner per SuperNode, the only layout "
-                 "fedavg_app supports).",
+                 "apps/fedavg supports).",
         "runs": runs,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,11 +5,12 @@ leave ``j``; everything the other owners see (the shared parameters) is
 differentially private with respect to ``j``'s data, with the unit of privacy
 (record, user, owner) chosen by configuration.
 
-Layout: one folder per system (``joint_dp``, ``mtl``, ``subject``, ``altmin``,
-``winsorized``), each with its strategy, message keys (``protocol``), client side
-and Flower App; generic code apart (``privacy``, ``training``, ``data``,
-``models``, the accounted round loop ``accounted``). Users import the strategies
-from :mod:`flwr_jdp.strategies` and the client halves from :mod:`flwr_jdp.client`.
+The library of the repository's strategies (``strategies/``, installed as
+:mod:`flwr_jdp.strategies`) and Flower Apps (``apps/``): per system (``joint_dp``,
+``mtl``, ``subject``, ``altmin``, ``winsorized``) its message keys (``protocol``),
+config, plans and client side; generic code apart (``privacy``, ``training``,
+``data``, ``models``). Users import the strategies from :mod:`flwr_jdp.strategies`
+and the client halves from :mod:`flwr_jdp.client`.
 """
 
 __version__ = "0.1.0"

@@ -35,45 +35,15 @@ noise, which leaves its record-level guarantee unproven. Its committed results
 from an earlier version; this one refuses that coupling, so they are a record only.
 
 Hyperparameters (learning rates, clipping norm, batch size, GroupNorm) come from
-:data:`HPARAMS`. They were fixed a priori and never tuned on the test split.
-``examples/joint_dp/tune.py`` checks them on a validation split (carved from the
-owners' training records, ``--validation-fraction``, or drawn from the unused
-training records, ``--validation-source pool``). Checked so far: joint DP under local
-noise at n = 256: the learning rate (0.025, 0.05, 0.1; 0.05 kept)
-and, at 0.05, the clipping norm (0.5, 1, 2; flat, 1 kept) and the personal-layer rule
-(``fc1``, ``conv2+fc1``, ``conv1+conv2+fc1``: the fewer parameters shared, the higher the
-validation accuracy; Table 1 keeps the paper's ``fc1``), the personal learning rate (0.2:
-no gain) and the moving-average decay (``ema-decay`` 0.8, 0.9: no gain beyond the spread
-of single runs), and adapting each owner's final model to its own records
-(``finetune-epochs`` 20, 100: 100 epochs gain with FC1 personal, not with Conv1, Conv2 and
-FC1 personal); and at n = 4, m/r = 10 (user level) the users per DP batch (32 for
-joint DP under local noise, 64 for full DP under central noise, against 3.2 by default;
-under local noise 32 was checked at m/r = 20 (kept) and, on the pool split, at m/r = 10
-(kept against 64; then 128 was chosen there, and the m/r = 10, epsilon = 1 cells of both
-methods were rerun at 128, not tuned again, then joint DP at epsilon = 3 and 8
-and full DP at epsilon = 3 and 8); at m/r = 5 it was kept against 64, then 128 was chosen by a tie, and
-every m/r = 5 cell of both methods was rerun at 128, not tuned again;
-at m/r = 2 on the pool split validation chose 128, whose test cell is the
-m/r = 2, epsilon = 1 cell, after 64, chosen before 128 had a second seed, lost on test;
-every other m/r = 2 cell under local noise was then rerun at 128, not tuned again;
-full DP's own batch under local noise was checked at m/r = 2 only: at epsilon = 1
-128 against 32, 128 kept; at epsilon = 3 128 chosen on two seeds, its test cell the 128-users one;
-at epsilon = 8 32 chosen on two seeds, its test cell the 32-users one),
-and at n = 256, m/r = 10 (user level, local noise) joint DP's shared learning rate
-(0.0015625 to 0.05; 0.003125 chosen: the owners' updates are mostly noise there),
-and at n = 512 under central noise the shared learning rate of both DP methods (0.5 to 4;
-2 chosen on a validation split from the unused training records, ``--validation-source
-pool``, which unlike the carved split leaves every owner's training records as they are),
-and the same at n = 256 (2 for joint DP, 1 kept for full DP), 128 (2 for both), 64 and 16 (1 kept for joint
-DP, 2 for full DP) and 4 (1 kept for both), and under central noise joint DP's personal learning rate at n = 512 (0.0015625 to 0.2;
-0.00625 chosen), 256 (0.003125 to 0.1; 0.003125), 128 (0.003125 to 0.05; 0.00625)
-and 64 (0.003125 to 0.1; 0.05 kept), 16 and 4 (0.0125 to 0.2; 0.025), and on that split at n = 256
-under local noise the rule ``conv1+conv2+fc1+norms`` (no gain over ``conv1+conv2+fc1``),
-in ``results/joint_dp/tuning.csv``. A cell's ``lr`` (shared learning rate), ``personal_lr``,
-``ema_decay`` and ``user_batch`` (users per DP batch at the user level, run-config
-``user-batch-size``) override :data:`HPARAMS` for settings chosen that way, and its
-``finetune_epochs`` and ``finetune_lr`` (joint DP only) adapt each owner's evaluated
-model to the owner's own records (run-config ``finetune-epochs``).
+:data:`HPARAMS`, fixed a priori and never tuned on the test split. Where a setting was
+chosen on a validation split instead (``examples/joint_dp/tune.py``: carved from the
+owners' training records, ``--validation-fraction``, or drawn from the unused training
+records, ``--validation-source pool``), a cell's ``lr`` (shared learning rate),
+``personal_lr``, ``ema_decay`` and ``user_batch`` (users per DP batch at the user level,
+run-config ``user-batch-size``) override :data:`HPARAMS`, and its ``finetune_epochs`` and
+``finetune_lr`` (joint DP only) adapt each owner's evaluated model to the owner's own
+records (run-config ``finetune-epochs``). What was checked, and what was chosen, is in
+``results/joint_dp/tuning.csv`` (and in this file's git history).
 """
 
 from __future__ import annotations

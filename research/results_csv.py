@@ -1,4 +1,8 @@
-"""Writing a results table: one CSV file, rewritten whole, header first."""
+"""Writing a results table: one CSV file, rewritten whole, header first.
+
+A helper of the reproductions and benchmarks (``from research.results_csv import
+write_csv``, with the repository root on ``sys.path``); not run on its own.
+"""
 
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ repository keeps those folders as one archive per reproduction,
 exists (a fresh reproduction, or an extracted archive), otherwise the same folder
 extracted once per process from the archive into a temporary directory (removed at
 exit). With neither it returns the (missing) folder, which reports treat as "no runs".
+A helper of the reports (``from research.runs_archive import runs_folder``); not run on
+its own.
 """
 
 from __future__ import annotations

@@ -1,14 +1,19 @@
 """Run the project's ServerApp and ClientApp in Flower's Ray simulation from Python.
 
-This is what ``flwr run .`` does, minus the SuperLink: Flower's
-``run_simulation`` with the real handlers of the systems' Flower Apps, a run config given
+This is what ``flwr run apps/<name>`` does, minus the SuperLink: Flower's
+``run_simulation`` with the real handlers of the Flower Apps in ``apps/`` (joint DP,
+its FedAvg baseline, DP-MTL, Priv-AltMin), a run config given
 as a dict (``run_simulation`` has no run-config argument, so every handler sees a
 copy of its ``Context`` with the overrides applied), and ``num_supernodes``
 SuperNodes. Node ``i`` gets ``partition-id = i`` and ``num-partitions =
 num_supernodes`` and hosts the owners ``flwr_jdp.joint_dp.protocol.hosted_owners`` assigns
 to it, so one SuperNode may host many owners (fewer, larger messages).
 
-Used by the benchmarks, the tests and ``python -m research.reproduce_joint_dp``.
+Used by the benchmarks, the tests and ``python -m research.reproduce_joint_dp``; from
+the repository root (``research/`` and ``apps/`` are not installed)::
+
+    from research.simulation import simulate
+    simulate("joint-dp", {"num-owners": 8, "num-rounds": 2, "results-dir": "results/sim"}, num_supernodes=2)
 """
 
 from __future__ import annotations
@@ -66,10 +71,14 @@ def simulate(
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
-    from flwr_jdp.altmin import app as altmin_app
-    from flwr_jdp.joint_dp import client_app as jdp_client
-    from flwr_jdp.joint_dp import fedavg_app, server_app
-    from flwr_jdp.mtl import app as mtl_app
+    from apps.dp_mtl.dp_mtl import client_app as mtl_client
+    from apps.dp_mtl.dp_mtl import server_app as mtl_server
+    from apps.fedavg.fedavg import client_app as fedavg_client
+    from apps.fedavg.fedavg import server_app as fedavg_server
+    from apps.joint_dp.joint_dp import client_app as jdp_client
+    from apps.joint_dp.joint_dp import server_app as jdp_server
+    from apps.priv_altmin.priv_altmin import client_app as altmin_client
+    from apps.priv_altmin.priv_altmin import server_app as altmin_server
 
     if app not in APPS:
         raise ValueError(f"app must be one of {APPS}, got {app!r}")
@@ -88,25 +97,25 @@ def simulate(
     client = ClientApp()
     server = ServerApp()
     if app == "fedavg":
-        client.train()(with_config(fedavg_app.train, "train"))
-        client.evaluate()(with_config(fedavg_app.evaluate_owner, "evaluate"))
-        server_main = fedavg_app.main
+        client.train()(with_config(fedavg_client.train, "train"))
+        client.evaluate()(with_config(fedavg_client.evaluate_owner, "evaluate"))
+        server_main = fedavg_server.main
     elif app == "priv-altmin":
-        client.train("init")(with_config(altmin_app.init_stats, "train"))
-        client.train()(with_config(altmin_app.epoch_stats, "train"))
-        client.evaluate()(with_config(altmin_app.evaluate, "evaluate"))
-        server_main = altmin_app.main
+        client.train("init")(with_config(altmin_client.init_stats, "train"))
+        client.train()(with_config(altmin_client.epoch_stats, "train"))
+        client.evaluate()(with_config(altmin_client.evaluate, "evaluate"))
+        server_main = altmin_server.main
     elif app == "dp-mtl":
-        client.query()(with_config(mtl_app.setup, "query"))
-        client.train()(with_config(mtl_app.train, "train"))
-        client.evaluate()(with_config(mtl_app.evaluate, "evaluate"))
-        server_main = mtl_app.main
+        client.query()(with_config(mtl_client.setup, "query"))
+        client.train()(with_config(mtl_client.train, "train"))
+        client.evaluate()(with_config(mtl_client.evaluate, "evaluate"))
+        server_main = mtl_server.main
     else:
         # the app itself, mods included (one SuperNode hosts several owners)
         client.query()(with_config(jdp_client.app, "query"))
         client.train()(with_config(jdp_client.app, "train"))
         client.evaluate()(with_config(jdp_client.app, "evaluate"))
-        server_main = server_app.main
+        server_main = jdp_server.main
     timing: dict[str, Any] = {}
 
     @server.main()

@@ -8,10 +8,10 @@ import socket
 import sys
 from pathlib import Path
 
+from apps.joint_dp.joint_dp.client_app import app as client_app
+from apps.joint_dp.joint_dp.server_app import initial_arrays
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.joint_dp.client_app import app as client_app
 from flwr_jdp.joint_dp.config import parse_config
-from flwr_jdp.joint_dp.server_app import initial_arrays
 from flwr_jdp.strategies import JointDP
 
 
@@ -20,7 +20,7 @@ def own_app_owner(run_config: dict, owner: int, num_partitions: int):
     config, the server's initial arrays, the shared/personal split)``."""
     from flwr.app import Context, RecordDict
 
-    from flwr_jdp.joint_dp.task import initial_model, node_job_config
+    from apps.joint_dp.joint_dp.task import initial_model, node_job_config
     from flwr_jdp.params import split_parameters
 
     ctx = Context(run_id=1, node_id=1000 + owner,

@@ -191,9 +191,8 @@ def test_flower_aggregate_equals_single_process(tmp_path):
 
 
 def test_disjoint_groups_partition_users_and_ledger_charges_each_user_once():
-    from flwr_jdp.strategies import PrivAltMin
-
     from flwr_jdp.altmin.problem import user_groups
+    from flwr_jdp.strategies import PrivAltMin
 
     n, groups = 1000, 4
     g = user_groups(np.arange(n), n, groups)

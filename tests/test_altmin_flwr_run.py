@@ -1,4 +1,4 @@
-"""End to end: `flwr run examples/altmin` (the Priv-AltMin Flower App) in Flower's
+"""End to end: `flwr run apps/priv_altmin` (the Priv-AltMin Flower App) in Flower's
 Ray simulation, as a user runs it; the outcome is checked on disk and with
 `flwr list` (`flwr run --stream` exits 0 even when a run fails)."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.extended  # long end-to-end check: `pytest -m extended`
                     reason="the flwr CLI is not installed beside this Python")
 def test_flwr_run_priv_altmin(tmp_path):
     results = tmp_path / "results"
-    log, listed = run_flwr_app(tmp_path, "examples/altmin", (
+    log, listed = run_flwr_app(tmp_path, "apps/priv_altmin", (
         f"num-users=4000 dim=10 epochs=2 target-epsilon=4.0 clip-a=80.0 noise-seed=2 results-dir='{results}'"))
     assert (results / "results.json").is_file(), f"no results written; flwr run said:\n{log[-4000:]}"
     res = json.loads((results / "results.json").read_text())

@@ -58,15 +58,16 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader
 
-import flwr_jdp.joint_dp.client_app as client_app
+import apps.joint_dp.joint_dp.client_app as client_app
+from apps.joint_dp.joint_dp import task
+from apps.joint_dp.joint_dp.task import node_job_config
 from flwr_jdp.data.partition import OwnerData
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.joint_dp import protocol, task
+from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.client import PUBLIC_KEY, JointDPClient, owner_id
 from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.joint_dp.owner_guard import Instruction, OwnerLedger, agreed_release
 from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
-from flwr_jdp.joint_dp.task import node_job_config
 from flwr_jdp.params import get_arrays, split_parameters
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.audit import AuditResult, audit_two_run, max_certifiable_epsilon
@@ -222,7 +223,7 @@ def _instruction(owner: int, shared: dict[str, np.ndarray], sample_rate: float, 
 def app_round(run_config: dict, model: nn.Module, data: OwnerData, msg: Message,
               public: dict[str, np.ndarray]) -> tuple[Message, Context]:
     """One owner's train round as the project's ClientApp runs it
-    (:func:`flwr_jdp.joint_dp.client_app.train_owner`): ``client_app.jdp.train`` on
+    (:func:`apps.joint_dp.joint_dp.client_app.train_owner`): ``client_app.jdp.train`` on
     the owner's loader (``task.loader``) with the app's train function
     (``client_app._train_fn`` -> ``task.train``), here on ``model`` and ``data``;
     returns the reply and the node context after the round."""
@@ -460,7 +461,7 @@ class _TasksGrid(InProcessGrid):
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
         from flwr_jdp.mtl.algorithm import task_round
-        from flwr_jdp.mtl.strategy import CONFIG, MEAN, METRICS, MODELS, SETUP, TASKS, task_key
+        from flwr_jdp.strategies.dp_mtl import CONFIG, MEAN, METRICS, MODELS, SETUP, TASKS, task_key
 
         replies = []
         for msg in messages:
@@ -497,8 +498,8 @@ def test_dp_mtl_noisy_mean_audit():
     """
     from flwr_jdp.models.linear import LinearModel
     from flwr_jdp.mtl.algorithm import MTLConfig
-    from flwr_jdp.mtl.strategy import CONFIG, MEAN, MODELS, TASKS, DPMeanRegularizedMTL, task_key
     from flwr_jdp.mtl.tasks import TaskData
+    from flwr_jdp.strategies.dp_mtl import CONFIG, MEAN, MODELS, TASKS, DPMeanRegularizedMTL, task_key
 
     cfg = MTLConfig(lam=1.0, radius=1.0, rounds=1, local_steps=1, lr=0.1, target_epsilon=1.0, delta=DELTA)
     model = LinearModel("squared", MTL_DIM)
@@ -584,8 +585,8 @@ def test_winsorized_mean_audit():
     """
     from flwr.serverapp.strategy import FedAvg
 
+    from flwr_jdp.strategies.winsorized import DifferentialPrivacyWinsorizedMean
     from flwr_jdp.winsorized.estimator import RADIUS_FACTOR, WinsorizedMean
-    from flwr_jdp.winsorized.strategy import DifferentialPrivacyWinsorizedMean
 
     class FedAvgMetricsOnly(FedAvg):
         """Flower's FedAvg, minus its aggregate: the wrapper takes only the inner
@@ -704,7 +705,7 @@ class _UsersGrid(InProcessGrid):
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
         from flwr_jdp.altmin.statistics import init_statistic
-        from flwr_jdp.altmin.strategy import METRICS, STATS
+        from flwr_jdp.strategies.priv_altmin import METRICS, STATS
 
         total = init_statistic(self.users, self.cfg.zeta, self.cfg.init_clip(ALTMIN_SAMPLES), self.cfg.split())
         content = {STATS: ArrayRecord({"m": Array(np.ascontiguousarray(total, dtype=np.float64))}),
@@ -755,7 +756,7 @@ def test_priv_altmin_init_release_audit(geometry):
     """
     from flwr_jdp.altmin.algorithm import AltMinConfig
     from flwr_jdp.altmin.problem import ProblemSpec
-    from flwr_jdp.altmin.strategy import PrivAltMin
+    from flwr_jdp.strategies.priv_altmin import PrivAltMin
 
     anchors = [0.5] if geometry == "near-tie" else [1.0] * 5
     spec = ProblemSpec(num_users=len(anchors) + 1, samples_per_user=ALTMIN_SAMPLES, dim=2, rank=1)

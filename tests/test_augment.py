@@ -10,13 +10,14 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
+from apps.joint_dp.joint_dp import client_app
+from apps.joint_dp.joint_dp.server_app import initial_arrays
+from apps.joint_dp.joint_dp.task import initial_model, loader, node_job_config, owner_data, train
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.joint_dp import client_app, protocol
+from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
 from flwr_jdp.joint_dp.owner_store import load_personal_arrays
 from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
-from flwr_jdp.joint_dp.server_app import initial_arrays
-from flwr_jdp.joint_dp.task import initial_model, loader, node_job_config, owner_data, train
 from flwr_jdp.params import split_parameters
 from flwr_jdp.training import train_plain
 from flwr_jdp.training.augment import random_shift

@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord
-from flwr_jdp.strategies import load_results
 
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
+from flwr_jdp.strategies import load_results
 
 from .helpers import run_inprocess
 

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from flwr_jdp.strategies import load_results
 
 from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.privacy.ledger import PrivacyLedger, owner_scope
+from flwr_jdp.strategies import load_results
 
 from .helpers import Killed, kill_after_trains, run_inprocess
 

@@ -39,10 +39,10 @@ def _assert_each_round_charged_on_disk_before_sending(grid, rounds):
 
 
 def test_joint_dp(run_config, tmp_path):
+    from apps.joint_dp.joint_dp.client_app import app
+    from apps.joint_dp.joint_dp.server_app import initial_arrays
     from flwr_jdp.joint_dp import protocol
-    from flwr_jdp.joint_dp.client_app import app
     from flwr_jdp.joint_dp.config import parse_config
-    from flwr_jdp.joint_dp.server_app import initial_arrays
     from flwr_jdp.strategies import JointDP
 
     for placement in ("local", "central"):
@@ -55,7 +55,7 @@ def test_joint_dp(run_config, tmp_path):
 
 
 def test_dp_mtl(tmp_path):
-    from flwr_jdp.mtl.app import client
+    from apps.dp_mtl.dp_mtl.client_app import client
     from flwr_jdp.mtl.config import parse_mtl_config
     from flwr_jdp.strategies import DPMeanRegularizedMTL
 
@@ -70,7 +70,7 @@ def test_dp_mtl(tmp_path):
 
 
 def test_priv_altmin_ledger_grows_on_disk_before_each_epoch(tmp_path):
-    from flwr_jdp.altmin.app import client
+    from apps.priv_altmin.priv_altmin.client_app import client
     from flwr_jdp.altmin.config import parse_altmin_config
     from flwr_jdp.strategies import PrivAltMin
 
@@ -95,7 +95,7 @@ def test_priv_altmin_ledger_grows_on_disk_before_each_epoch(tmp_path):
 
 
 def test_winsorized_wrapper(tmp_path):
-    from flwr_jdp.winsorized.strategy import DifferentialPrivacyWinsorizedMean
+    from flwr_jdp.strategies.winsorized import DifferentialPrivacyWinsorizedMean
 
     n, dim = 4, 3
     client = ClientApp()

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from flwr_jdp.strategies import load_results
 
 from flwr_jdp.privacy.ledger import PrivacyLedger, owner_scope
+from flwr_jdp.strategies import load_results
 
 from .helpers import flwr_env, free_port, run_inprocess
 

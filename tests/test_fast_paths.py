@@ -12,8 +12,11 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
+from apps.joint_dp.joint_dp import client_app
+from apps.joint_dp.joint_dp.server_app import initial_arrays
+from apps.joint_dp.joint_dp.task import initial_model, loader, node_job_config, owner_data
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.joint_dp import client_app, protocol
+from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.joint_dp.owner_store import (
     load_personal_arrays,
@@ -24,8 +27,6 @@ from flwr_jdp.joint_dp.owner_store import (
 )
 from flwr_jdp.joint_dp.protocol import to_record
 from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
-from flwr_jdp.joint_dp.server_app import initial_arrays
-from flwr_jdp.joint_dp.task import initial_model, loader, node_job_config, owner_data
 from flwr_jdp.models.pooling import MaxPool2x2
 from flwr_jdp.params import get_arrays, set_arrays, split_parameters
 from flwr_jdp.training import train_plain
@@ -289,7 +290,7 @@ def test_setup_asks_a_silent_node_again_and_names_it_if_it_never_answers(run_con
     mismatch, where every node answered, still names the key."""
     from types import SimpleNamespace
 
-    import flwr_jdp.joint_dp.strategy as module
+    import flwr_jdp.strategies.joint_dp.nodes as module
     from flwr_jdp.joint_dp.config import ConfigError
     from flwr_jdp.strategies import JointDP
 

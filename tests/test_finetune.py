@@ -8,8 +8,10 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
+from apps.joint_dp.joint_dp import client_app
+from apps.joint_dp.joint_dp.task import initial_model, owner_data
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.joint_dp import client_app, protocol
+from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
 from flwr_jdp.joint_dp.owner_store import (
     load_personal_arrays,
@@ -18,7 +20,6 @@ from flwr_jdp.joint_dp.owner_store import (
     shared_digest,
     trained_rounds,
 )
-from flwr_jdp.joint_dp.task import initial_model, owner_data
 from flwr_jdp.strategies import load_results
 from flwr_jdp.training import evaluate
 from research.reproduce_joint_dp import comparable

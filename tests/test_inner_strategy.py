@@ -13,10 +13,10 @@ from flwr.serverapp.strategy import (
     FedMedian,
 )
 
+from apps.joint_dp.joint_dp.client_app import app as client_app
+from apps.joint_dp.joint_dp.server_app import initial_arrays
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.joint_dp.client_app import app as client_app
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
-from flwr_jdp.joint_dp.server_app import initial_arrays
 from flwr_jdp.strategies import JointDP
 
 

@@ -4,11 +4,11 @@ spends no privacy, and that it survives a restart."""
 
 import numpy as np
 import pytest
-from flwr_jdp.strategies import load_results
 
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
 from flwr_jdp.joint_dp.iterate_average import SharedParameterEMA
+from flwr_jdp.strategies import load_results
 from research.reproduce_joint_dp import comparable
 
 from .helpers import Killed, kill_after_trains, run_inprocess

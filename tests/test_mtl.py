@@ -245,10 +245,9 @@ def test_task_round_is_the_local_pgd_of_the_config():
 
 @pytest.mark.parametrize("phase", ["train", "evaluate"])
 def test_a_restarted_server_resumes_with_the_epsilon_it_had_spent(tmp_path, phase):
-    from flwr_jdp.strategies import DPMeanRegularizedMTL
-
+    from apps.dp_mtl.dp_mtl.client_app import client
     from flwr_jdp.inprocess import InProcessGrid
-    from flwr_jdp.mtl.app import client
+    from flwr_jdp.strategies import DPMeanRegularizedMTL
 
     rc = _sim_config(tmp_path, rounds=4)
     source, cfg, extras = parse_mtl_config(rc)

@@ -20,7 +20,6 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.config import flatten_dict
-from flwr_jdp.strategies import DPMeanRegularizedMTL
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -29,6 +28,7 @@ from flwr_jdp.joint_dp.config import ConfigError
 from flwr_jdp.mtl import protocol
 from flwr_jdp.mtl.client import STATE_PREFIX, MTLClient, flatten, load_flat, mean_regularized
 from flwr_jdp.mtl.config import namespaced_mtl_config
+from flwr_jdp.strategies import DPMeanRegularizedMTL
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart-mtl"
 

@@ -24,7 +24,6 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from flwr_jdp.accounted import RunFailed
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp.config import ConfigError
 from flwr_jdp.mtl import protocol
@@ -34,6 +33,7 @@ from flwr_jdp.mtl.config import namespaced_mtl_config
 from flwr_jdp.mtl.health import divergence_hint, noise_warning
 from flwr_jdp.mtl.noise import MeanRelease
 from flwr_jdp.strategies import DPMeanRegularizedMTL
+from flwr_jdp.strategies.accounted import RunFailed
 
 
 class Tiny(nn.Module):

@@ -621,8 +621,8 @@ class WithScalar(Wide):
 
 
 def test_the_server_accepts_the_shapes_the_client_reports_also_for_a_scalar():
-    from flwr_jdp.joint_dp.strategy import JointDP
     from flwr_jdp.joint_dp.validation import spec_of
+    from flwr_jdp.strategies.joint_dp import JointDP
 
     app = ClientApp()
     JointDPClient(app, model_fn=WithScalar, train_data=lambda ctx: _loader())

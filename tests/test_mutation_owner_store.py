@@ -15,8 +15,11 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
+from apps.joint_dp.joint_dp import client_app, task
+from apps.joint_dp.joint_dp.server_app import initial_arrays
+from apps.joint_dp.joint_dp.task import initial_model, node_job_config
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.joint_dp import client_app, protocol, task
+from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
 from flwr_jdp.joint_dp.owner_guard import Instruction, InstructionRefused, agreed_release
 from flwr_jdp.joint_dp.owner_store import (
@@ -33,8 +36,6 @@ from flwr_jdp.joint_dp.owner_store import (
     trained_rounds,
 )
 from flwr_jdp.joint_dp.schedule import OwnerSize
-from flwr_jdp.joint_dp.server_app import initial_arrays
-from flwr_jdp.joint_dp.task import initial_model, node_job_config
 from flwr_jdp.params import get_arrays, split_parameters
 from flwr_jdp.training.user_loop import UserLoopError
 

@@ -13,6 +13,32 @@ run it is collected and does nothing else.
 from __future__ import annotations
 
 
+def strategies_from_the_mutated_copy() -> bool:
+    """Under ``mutmut run`` (the tests run inside ``./mutants``, a copy of
+    ``[tool.mutmut] source_paths``), make ``flwr_jdp.strategies`` the mutated copy of
+    ``strategies/``: installed, that package is mapped to the repository's
+    ``strategies/`` (``[tool.setuptools.package-dir]``), which mutmut's ``sys.path``
+    does not reach, so the tests would run the unmutated strategies. Returns whether
+    it did (never in a plain ``pytest`` run)."""
+    import sys
+    from pathlib import Path
+
+    here = Path.cwd()
+    if here.name != "mutants" or not (here / "strategies" / "__init__.py").is_file():
+        return False
+    if "flwr_jdp.strategies" in sys.modules:
+        raise RuntimeError("flwr_jdp.strategies was imported before the mutation plugin")
+    import flwr_jdp
+
+    if Path(flwr_jdp.__file__).resolve().parent.parent != here.resolve():
+        return False  # not the mutated copy of flwr_jdp
+    flwr_jdp.__path__.append(str(here))  # flwr_jdp.strategies = ./strategies
+    return True
+
+
+strategies_from_the_mutated_copy()
+
+
 def pytest_runtest_setup(item):
     """(Plugin hook: runs under ``-p tests.test_mutation_plugin`` only.) Start every
     test with Flower's logger as :meth:`JointDP.start` leaves it (``propagate =
@@ -56,7 +82,7 @@ CACHED = (
     ("flwr_jdp.privacy.events", ("_canonical_cached",)),
     ("flwr_jdp.privacy.rdp", ("_base_rdp",)),
     ("flwr_jdp.privacy.horizontal", ("sqrt_rounds",)),
-    ("flwr_jdp.joint_dp.task", ("_seeded_model",)),
+    ("apps.joint_dp.joint_dp.task", ("_seeded_model",)),
 )
 
 

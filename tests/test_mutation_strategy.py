@@ -17,10 +17,10 @@ from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule, calibrate_schedule
-from flwr_jdp.joint_dp.strategy import JointDP
 from flwr_jdp.joint_dp.validation import NORM_SLACK, max_sampled_units, spec_of
 from flwr_jdp.privacy import events as ev
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger, owner_scope
+from flwr_jdp.strategies.joint_dp import JointDP
 
 SHAPES = {"w": (40, 50), "b": (50,)}  # 2050 numbers: a std measured to ~3%
 

@@ -24,7 +24,6 @@ from flwr_jdp.altmin.plan import NoisePlan
 from flwr_jdp.altmin.problem import ProblemSpec
 from flwr_jdp.altmin.release import GaussianRelease
 from flwr_jdp.altmin.solver import newton_update
-from flwr_jdp.altmin.strategy import PrivAltMin
 from flwr_jdp.config_check import ConfigError
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.mtl import noise as mtl_noise
@@ -38,12 +37,15 @@ from flwr_jdp.mtl.noise import (
     theorem2_epsilon,
     tight_sigma,
 )
-from flwr_jdp.mtl.strategy import DPMeanRegularizedMTL
 from flwr_jdp.privacy import events as ev
 from flwr_jdp.privacy.accountants import epsilon as ref_epsilon
 from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, LaplaceSumMechanism
+from flwr_jdp.strategies.dp_mtl import DPMeanRegularizedMTL
+from flwr_jdp.strategies.priv_altmin import PrivAltMin
+from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
+from flwr_jdp.strategies.winsorized import DifferentialPrivacyWinsorizedMean
 from flwr_jdp.subject import plan as plan_mod
 from flwr_jdp.subject.config import SubjectDPConfig
 from flwr_jdp.subject.plan import (
@@ -57,7 +59,6 @@ from flwr_jdp.subject.plan import (
     worst_case_counts,
 )
 from flwr_jdp.subject.silos import assign_records, subject_silo_counts, truncate_per_subject
-from flwr_jdp.subject.strategy import SubjectLevelFedAvg
 from flwr_jdp.training import subject_level as sl
 from flwr_jdp.training.subject_level import (
     BatchStats,
@@ -83,7 +84,6 @@ from flwr_jdp.winsorized.estimator import (
     histogram,
     rotated_radius,
 )
-from flwr_jdp.winsorized.strategy import DifferentialPrivacyWinsorizedMean
 
 
 # -------------------- Priv-AltMin releases

@@ -90,8 +90,8 @@ def test_joint_dp_local_noise_std_is_each_owners_recorded_event(run_config, unit
       ``SelfComposed(PoissonSampled(q, Gaussian(z)), steps)``;
     - owner unit: the clipped update plus ``N(0, (z C)^2)``, ``Gaussian(z)`` recorded.
     """
-    from flwr_jdp.joint_dp import client_app
-    from flwr_jdp.joint_dp.task import owner_data
+    from apps.joint_dp.joint_dp import client_app
+    from apps.joint_dp.joint_dp.task import owner_data
     from flwr_jdp.training import user_loop
 
     if unit == "record":  # the DP step's clipped sum (the optimizer pre-step hook's)
@@ -153,11 +153,11 @@ def test_dp_mtl_mean_noise_std_is_the_recorded_event(tmp_path, mode, relation, q
     half the multiplier (Theorem 1's constant), so the noise is twice the recorded one.
     The tight calibration (tested in ``test_mtl.py``; seconds of PLD) is replaced by a
     fixed ``z = 10``: what is checked here is the noise against the recorded event."""
+    from apps.dp_mtl.dp_mtl.client_app import client
     from flwr_jdp.mtl import noise as mtl_noise
-    from flwr_jdp.mtl import strategy as dp_mtl_module
-    from flwr_jdp.mtl.app import client
     from flwr_jdp.mtl.config import parse_mtl_config
     from flwr_jdp.strategies import DPMeanRegularizedMTL
+    from flwr_jdp.strategies import dp_mtl as dp_mtl_module
 
     def fixed_sigma(eps, delta, radius, rounds, num_tasks, sample_rate=1.0, *args, **kwargs):  # noqa: ANN001, ANN202
         return 10.0 * radius / (sample_rate * num_tasks)
@@ -281,8 +281,8 @@ def test_winsorized_mean_noise_std_is_the_recorded_events(kind, dim, monkeypatch
     std ``z_range sqrt(2 d)`` or ``sqrt(2) z_range 2 d``. One round goes through the
     grid and the ledger; more draws call the strategy's estimator as
     ``aggregate_train`` does (``dim`` a power of two: the rotation pads nothing)."""
+    from flwr_jdp.strategies.winsorized import DifferentialPrivacyWinsorizedMean
     from flwr_jdp.winsorized.estimator import RADIUS_FACTOR, WinsorizedMean, histogram, rotated_radius
-    from flwr_jdp.winsorized.strategy import DifferentialPrivacyWinsorizedMean
 
     counts_noise = []
     cls = mechanisms.LaplaceSumMechanism if kind == "laplace" else mechanisms.GaussianSumMechanism
@@ -334,10 +334,10 @@ def test_subject_level_silo_noise_std_is_the_recorded_events(method):
     change of the weights is the noise alone, ``lr z C sqrt(steps) / (q u)``, with
     ``z`` of every Gaussian in the events the strategy charges (local-item-dp also
     ``q`` and ``steps``: ``SelfComposed(PoissonSampled(q, Gaussian(z)), steps)``)."""
+    from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
     from flwr_jdp.subject.config import SubjectDPConfig
     from flwr_jdp.subject.plan import make_plan
     from flwr_jdp.subject.silo_data import SiloData
-    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
     from flwr_jdp.training.subject_level import SiloPlan, train_silo_round
 
     records, subjects_per_silo = 60, 12
@@ -374,10 +374,10 @@ def test_subject_level_user_ldp_noise_std_is_the_recorded_event():
     """The user-level local-DP baseline (``user-ldp``): each step adds ``N(0, (z 2C)^2)``
     to the clipped batch-mean gradient, with ``z`` the Gaussian of the event charged
     for every subject; on zero gradients the weights move by ``lr z 2C sqrt(steps)``."""
+    from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
     from flwr_jdp.subject.config import SubjectDPConfig
     from flwr_jdp.subject.plan import make_plan
     from flwr_jdp.subject.silo_data import SiloData
-    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
     from flwr_jdp.training.subject_level import SiloPlan, train_silo_round
 
     records, subjects_per_silo = 60, 12

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from apps.joint_dp.joint_dp.client_app import app as client_app
+from apps.joint_dp.joint_dp.server_app import initial_arrays
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.client_app import app as client_app
 from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.joint_dp.owner_guard import Instruction, agreed_release
 from flwr_jdp.joint_dp.schedule import OwnerSize
-from flwr_jdp.joint_dp.server_app import initial_arrays
 from flwr_jdp.privacy.units import PrivacyUnit
 from flwr_jdp.strategies import JointDP, load_results
 

@@ -1,12 +1,15 @@
-"""The layers of ``flwr_jdp``: generic code, one folder per system, and the two
-façades users import (``flwr_jdp.strategies``, ``flwr_jdp.client``).
+"""The layers of the repository: the library ``flwr_jdp/``, the Flower strategies
+``strategies/`` (installed as ``flwr_jdp.strategies``) and the Flower Apps ``apps/``.
 
-- Generic modules (privacy, training, data, models, the accounted round loop,
-  records, config checks, ...) import no system folder and no façade.
+- The library (``flwr_jdp/``) imports neither the strategies nor the apps: no
+  ``flwr_jdp.strategies``, no top-level ``strategies`` or ``apps``.
+- Generic modules of the library (privacy, training, data, models, records, config
+  checks, ...) import no system folder and no façade.
 - A system folder imports no other system folder.
-- A system's client side (its protocol, client half, ClientApp state) never
-  imports its server-side strategy: message keys live in the protocol module.
-- Nothing imports ``research`` (the reproductions; not installed, not in the FAB).
+- The strategies import no app, and each other only as ``flwr_jdp.strategies``.
+- An app imports no other app, and the strategies only as ``flwr_jdp.strategies``.
+- Nothing imports ``research`` (the reproductions; not installed, not in the FAB),
+  and the only import package installed is ``flwr_jdp``.
 """
 
 import ast
@@ -17,9 +20,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "flwr_jdp"
+STRATEGIES = ROOT / "strategies"
+APPS = ROOT / "apps"
 SYSTEMS = ("joint_dp", "mtl", "altmin", "subject", "winsorized")
 FACADES = ("flwr_jdp.strategies", "flwr_jdp.client")
-CLIENT_SIDE = ("protocol.py", "client.py", "client_app.py", "owner_store.py", "release.py", "task.py")
+#: each system's strategy module in strategies/
+SYSTEM_STRATEGY = {"joint_dp": "joint_dp", "mtl": "dp_mtl", "subject": "subject_level",
+                   "altmin": "priv_altmin", "winsorized": "winsorized"}
+#: each system's Flower App in apps/ (and the benchmarks' FedAvg baseline)
+APP_NAMES = ("joint_dp", "dp_mtl", "subject_dp", "priv_altmin", "winsorized", "fedavg")
 
 
 def _imports(path: Path):
@@ -48,7 +57,17 @@ def _system_of(path: Path) -> str | None:
 
 
 def _modules():
-    return [p for p in sorted(PKG.rglob("*.py")) if p.relative_to(PKG).as_posix() not in ("strategies.py", "client.py")]
+    return [p for p in sorted(PKG.rglob("*.py")) if p.relative_to(PKG).as_posix() != "client.py"]
+
+
+def _py(folder: Path):
+    return sorted(folder.rglob("*.py"))
+
+
+def test_the_library_imports_neither_the_strategies_nor_the_apps():
+    bad = [f"{p.relative_to(ROOT)}: {m}" for p in _py(PKG) for m in _imports(p)
+           if any(_under(m, x) for x in ("flwr_jdp.strategies", "strategies", "apps"))]
+    assert not bad
 
 
 def test_generic_code_imports_no_system_and_no_facade():
@@ -69,30 +88,57 @@ def test_no_system_imports_another_system_or_a_facade():
     assert not bad
 
 
-def test_client_side_modules_never_import_a_strategy():
-    bad = [f"{p.relative_to(ROOT)}: {m}" for p in _modules() if _system_of(p) and p.name in CLIENT_SIDE
-           for m in _imports(p) if _under(m, f"flwr_jdp.{_system_of(p)}.strategy")]
+def test_strategies_import_no_app_and_each_other_only_through_flwr_jdp_strategies():
+    bad = [f"{p.relative_to(ROOT)}: {m}" for p in _py(STRATEGIES) for m in _imports(p)
+           if any(_under(m, x) for x in ("apps", "strategies"))]
     assert not bad
 
 
-def test_every_system_has_its_folder_with_a_strategy_and_a_protocol():
-    for s in SYSTEMS:
-        assert (PKG / s / "strategy.py").is_file(), s
+def test_apps_import_no_other_app_and_the_strategies_only_through_flwr_jdp_strategies():
+    bad = []
+    for name in APP_NAMES:
+        for p in _py(APPS / name):
+            own = f"apps.{name}"
+            bad += [f"{p.relative_to(ROOT)}: {m}" for m in _imports(p)
+                    if _under(m, "strategies") or (_under(m, "apps") and not _under(m, own))]
+    assert not bad
+
+
+def test_every_system_has_its_strategy_its_protocol_and_its_app():
+    for s, module in SYSTEM_STRATEGY.items():
+        assert (STRATEGIES / f"{module}.py").is_file() or (STRATEGIES / module / "__init__.py").is_file(), s
+        assert not (PKG / s / "strategy.py").exists(), s
     for s in ("joint_dp", "mtl", "altmin", "subject"):
         assert (PKG / s / "protocol.py").is_file(), s
+    for name in APP_NAMES:
+        app = tomllib.loads((APPS / name / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+        for component in app["components"].values():
+            module = component.split(":")[0]
+            assert module.split(".")[0] == name, component  # a module inside the app's folder
+            assert (APPS / name / (module.replace(".", "/") + ".py")).is_file(), component
 
 
-def test_nothing_in_the_package_imports_research():
-    bad = [f"{p.relative_to(ROOT)}: {m}" for p in sorted(PKG.rglob("*.py")) for m in _imports(p)
-           if _under(m, "research")]
+def test_nothing_imports_research():
+    bad = [f"{p.relative_to(ROOT)}: {m}" for folder in (PKG, STRATEGIES, APPS) for p in _py(folder)
+           for m in _imports(p) if _under(m, "research")]
     assert not bad
 
 
-def test_research_is_neither_installed_nor_in_the_fab():
+def test_only_flwr_jdp_is_installed_and_research_is_not_in_the_fab():
+    """The wheel holds one import package, ``flwr_jdp``, with the strategies inside it
+    (``flwr_jdp.strategies`` from ``strategies/``): every library folder is listed
+    (a forgotten one would be missing from a regular install), no top-level
+    ``strategies`` or ``apps`` package."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["flwr_jdp*"]
+    setuptools = project["tool"]["setuptools"]
+    library = {".".join(p.parent.relative_to(ROOT).parts) for p in PKG.rglob("__init__.py")}
+    strategies = {".".join(("flwr_jdp", *p.parent.relative_to(ROOT).parts)) for p in STRATEGIES.rglob("__init__.py")}
+    assert "flwr_jdp.strategies" in strategies
+    assert set(setuptools["packages"]) == library | strategies
+    assert setuptools["package-dir"] == {"flwr_jdp.strategies": "strategies"}
+    assert not (PKG / "strategies").exists() and not (PKG / "strategies.py").exists()
     assert not (PKG / "reproduce").exists()
-    assert not [g for g in project["tool"]["flwr"]["app"]["fab-include"] if g.startswith("research")]
+    assert not [g for g in project["tool"]["flwr"]["app"]["fab-include"] if g.startswith(("research", "flwr_jdp"))]
 
 
 def test_importing_flwr_jdp_leaves_the_root_logger_alone():

@@ -52,7 +52,7 @@ def test_validation_split_comes_from_training_records_only():
 def test_node_config_data_dir_overrides_the_run_config():
     from flwr.app import Context, RecordDict
 
-    from flwr_jdp.joint_dp.task import node_job_config
+    from apps.joint_dp.joint_dp.task import node_job_config
 
     ctx = Context(1, 5, {"partition-id": 0, "num-partitions": 1, "data-dir": "/data/on/this/node"},
                   RecordDict(), {"dataset": "fashion-mnist", "data-dir": "/data/default"})

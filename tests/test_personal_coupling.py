@@ -11,14 +11,15 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 
+from apps.joint_dp.joint_dp import client_app
+from apps.joint_dp.joint_dp.server_app import initial_arrays
+from apps.joint_dp.joint_dp.task import initial_model, loader, node_job_config, owner_data
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.joint_dp import client_app, protocol
+from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.client import JointDPClient
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
 from flwr_jdp.joint_dp.owner_store import load_personal_arrays, save_personal_arrays, shared_digest
 from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
-from flwr_jdp.joint_dp.server_app import initial_arrays
-from flwr_jdp.joint_dp.task import initial_model, loader, node_job_config, owner_data
 from flwr_jdp.params import get_arrays, split_parameters
 
 from .helpers import run_inprocess

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from flwr_jdp.strategies import load_results
 
+from apps.joint_dp.joint_dp.server_app import initial_arrays
 from flwr_jdp.joint_dp.owner_store import personal_key
-from flwr_jdp.joint_dp.server_app import initial_arrays
+from flwr_jdp.strategies import load_results
 
 CASES = [(u, p) for u in ("record", "user", "owner") for p in ("local", "central")]
 
@@ -34,11 +34,10 @@ def test_no_personal_parameter_in_any_message(run_config, unit, placement):
         return reply
 
     grid_ref = []
-    from flwr_jdp.strategies import JointDP
-
+    from apps.joint_dp.joint_dp.client_app import app
     from flwr_jdp.inprocess import InProcessGrid
-    from flwr_jdp.joint_dp.client_app import app
     from flwr_jdp.joint_dp.config import parse_config
+    from flwr_jdp.strategies import JointDP
 
     grid = InProcessGrid(app, 2, run_config, fault=snapshot)
     grid_ref.append(grid)

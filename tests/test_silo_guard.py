@@ -18,17 +18,17 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from torch import nn
 
+from apps.subject_dp.subject_dp import client_app as subject_app
 from flwr_jdp.config_check import ConfigError
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import owner_guard
 from flwr_jdp.privacy import guard
-from flwr_jdp.subject import app as subject_app
+from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import parse_subject_config
 from flwr_jdp.subject.plan import make_plan
 from flwr_jdp.subject.protocol import CONFIG, MODEL, SILOS, model_arrays, silo_key
 from flwr_jdp.subject.silo_guard import SiloAgreement, cap_agreement
-from flwr_jdp.subject.strategy import SubjectLevelFedAvg
 from flwr_jdp.training.subject_level import SiloData
 
 RC = {"num-silos": 4, "budget-rounds": 2, "local-steps": 1, "batch-size": 8, "sample-rate": 0.1,

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MetricRecord
 
+from apps.joint_dp.joint_dp.client_app import app as client_app
+from apps.joint_dp.joint_dp.server_app import initial_arrays
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.client_app import app as client_app
 from flwr_jdp.joint_dp.config import ConfigError, parse_config
-from flwr_jdp.joint_dp.server_app import initial_arrays
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.strategies import JointDP, load_results
 

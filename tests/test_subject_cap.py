@@ -26,8 +26,9 @@ from flwr_jdp.training.subject_level import SiloData, SiloPlan, train_silo_round
 
 
 def _apps():
-    from flwr_jdp.subject.app import client, test_evaluator
-    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
+    from apps.subject_dp.subject_dp.client_app import client
+    from apps.subject_dp.subject_dp.server_app import test_evaluator
+    from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
     return client, test_evaluator, SubjectLevelFedAvg
 
 

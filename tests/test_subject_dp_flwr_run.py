@@ -1,4 +1,4 @@
-"""End to end: `flwr run examples/subject_dp` (subject-level DP across silos) in
+"""End to end: `flwr run apps/subject_dp` (subject-level DP across silos) in
 Flower's Ray simulation, as a user runs it, on a small slice of FEMNIST; the
 outcome is checked on disk and with `flwr list`."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.extended  # long end-to-end check: `pytest -m extended`
                     reason="the flwr CLI is not installed beside this Python")
 def test_flwr_run_subject_dp(tmp_path, femnist_dir):
     results = tmp_path / "results"
-    log, listed = run_flwr_app(tmp_path, "examples/subject_dp", (
+    log, listed = run_flwr_app(tmp_path, "apps/subject_dp", (
         f"data-dir='{femnist_dir}' max-writers=20 num-silos=4 budget-rounds=2 batch-size=32 "
         f"local-steps=1 noise-seed=1 results-dir='{results}'"))
     assert (results / "results.json").is_file(), f"no results written; flwr run said:\n{log[-4000:]}"

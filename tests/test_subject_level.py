@@ -250,10 +250,11 @@ def test_subject_dp_apps_run_and_account_exactly(tmp_path, femnist_dir) -> None:
     """The real ServerApp strategy and ClientApp on an in-process grid: 20 FEMNIST
     writers over 4 silos, HiGradAvgDP calibrated by exact horizontal accounting; the
     ledger's epsilon (max over Pareto subjects) meets the target and equals the plan's."""
+    from apps.subject_dp.subject_dp.client_app import client
+    from apps.subject_dp.subject_dp.server_app import test_evaluator
     from flwr_jdp.inprocess import InProcessGrid
     from flwr_jdp.models.leaf_cnn import build_leaf_cnn
-    from flwr_jdp.subject.app import client, test_evaluator
-    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
+    from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
 
     rc = {"data-dir": str(femnist_dir), "max-writers": 20, "num-silos": 4, "budget-rounds": 2,
           "method": "higradavg-dp", "accounting": "exact", "noise-seed": 0,

@@ -16,9 +16,10 @@ class CrashAfterSave(Exception):
 
 
 def _apps():
+    from apps.subject_dp.subject_dp.client_app import client
+    from apps.subject_dp.subject_dp.server_app import test_evaluator
     from flwr_jdp.inprocess import InProcessGrid
-    from flwr_jdp.subject.app import client, test_evaluator
-    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
+    from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
     from flwr_jdp.subject.task import build_subject_model
     return client, test_evaluator, SubjectLevelFedAvg, InProcessGrid, build_subject_model
 

@@ -129,10 +129,11 @@ def test_run_samples_subjects_at_the_rates_the_ledger_records(tmp_path, femnist_
     """Real ServerApp strategy and ClientApp on an in-process grid: every silo step
     samples subjects at the plan's rate for that silo (batch-size / its subjects),
     and the ledger charges PoissonSampled events at exactly those rates."""
+    from apps.subject_dp.subject_dp.client_app import client
+    from apps.subject_dp.subject_dp.server_app import test_evaluator
     from flwr_jdp.inprocess import InProcessGrid
     from flwr_jdp.models.leaf_cnn import build_leaf_cnn
-    from flwr_jdp.subject.app import client, test_evaluator
-    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
+    from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
 
     seen: list[tuple[float, int]] = []
     real = subject_level.poisson_subjects

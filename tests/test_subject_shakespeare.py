@@ -149,9 +149,10 @@ def test_dataset_key_is_validated() -> None:
 def test_shakespeare_apps_run_and_account_exactly(tmp_path, shakespeare_dir) -> None:
     """The real ServerApp strategy and ClientApp on an in-process grid: 12
     characters over 3 silos, HiGradAvgDP under exact horizontal accounting."""
+    from apps.subject_dp.subject_dp.client_app import client
+    from apps.subject_dp.subject_dp.server_app import test_evaluator
     from flwr_jdp.inprocess import InProcessGrid
-    from flwr_jdp.subject.app import client, test_evaluator
-    from flwr_jdp.subject.strategy import SubjectLevelFedAvg
+    from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
     from flwr_jdp.subject.task import build_subject_model
 
     rc = {"dataset": "shakespeare", "data-dir": str(shakespeare_dir), "max-writers": 12, "num-silos": 3,

@@ -21,16 +21,17 @@ import torch.nn.functional as F
 from flwr.app import Array, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
+import apps.joint_dp.joint_dp.client_app as client_app
 import flwr_jdp.joint_dp.client as client
-import flwr_jdp.joint_dp.client_app as client_app
+from apps.joint_dp.joint_dp import task
+from apps.joint_dp.joint_dp.server_app import initial_arrays
+from apps.joint_dp.joint_dp.task import node_job_config, owner_data
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.joint_dp import protocol, task
+from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.client import JointDPClient, owner_id
 from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.joint_dp.release import public_personal_swapped
 from flwr_jdp.joint_dp.schedule import units_of
-from flwr_jdp.joint_dp.server_app import initial_arrays
-from flwr_jdp.joint_dp.task import node_job_config, owner_data
 from flwr_jdp.params import get_arrays, split_parameters
 from flwr_jdp.privacy.ledger import SERVER_SCOPE
 from flwr_jdp.strategies import JointDP, load_results

@@ -54,9 +54,9 @@ def test_bad_user_batch_size_fails_naming_the_key(bad):
 def test_owners_sample_and_ledger_records_the_user_batch(run_config, monkeypatch):
     """In a real run the owners Poisson-sample users at user-batch-size / users and
     the ledger's events carry exactly that rate."""
+    from apps.joint_dp.joint_dp.client_app import app
+    from apps.joint_dp.joint_dp.server_app import initial_arrays
     from flwr_jdp.inprocess import InProcessGrid
-    from flwr_jdp.joint_dp.client_app import app
-    from flwr_jdp.joint_dp.server_app import initial_arrays
     from flwr_jdp.strategies import JointDP
     from flwr_jdp.training import dp_sgd
 

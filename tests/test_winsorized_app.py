@@ -1,4 +1,4 @@
-"""The winsorized user-level mean Flower App (flwr_jdp.winsorized.app): its ServerApp
+"""The winsorized user-level mean Flower App (apps/winsorized): its ServerApp
 and ClientApp run in-process on synthetic users, within the calibrated budget;
 several users per SuperNode travel in one message each way; a bad run config fails
 at start-up, naming the key, before anything is sent."""
@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
+from apps.winsorized.winsorized import server_app as wserver
+from apps.winsorized.winsorized import task as wtask
+from apps.winsorized.winsorized.client_app import client
+from apps.winsorized.winsorized.server_app import main, run_server
+from apps.winsorized.winsorized.task import parse_config
 from flwr_jdp.config_check import ConfigError
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.winsorized import app as wapp
-from flwr_jdp.winsorized.app import client, main, parse_config, run_server
 
 
 def _config(tmp_path, **extra):
@@ -65,7 +68,7 @@ def test_one_user_per_supernode_and_plain_flower_requests(tmp_path):
     (reply,) = grid.send_and_receive([msg])
     user = source.users((1,))[0]
     assert reply.content["metrics"]["num-examples"] == len(user.y_train)
-    expected = wapp.local_update(source.model(), w0, user, cfg.local_steps, cfg.lr)
+    expected = wtask.local_update(source.model(), w0, user, cfg.local_steps, cfg.lr)
     assert np.allclose(reply.content["arrays"]["w"].numpy(), expected)
 
 
@@ -84,7 +87,7 @@ def test_a_user_missing_from_its_supernodes_reply_skips_the_round(tmp_path):
 
 
 def test_users_no_supernode_hosts_fail_before_any_release(tmp_path, monkeypatch):
-    monkeypatch.setattr(wapp, "SETUP_TIMEOUT", 0.5)
+    monkeypatch.setattr(wserver, "SETUP_TIMEOUT", 0.5)
     rc = _config(tmp_path, **{"num-users": 6})
 
     def silent_node(instruction, reply):  # noqa: ANN001, ANN202

@@ -13,8 +13,8 @@ from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.calibration import calibrate
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
+from flwr_jdp.strategies.winsorized import DifferentialPrivacyWinsorizedMean
 from flwr_jdp.winsorized.estimator import WinsorizedMean
-from flwr_jdp.winsorized.strategy import DifferentialPrivacyWinsorizedMean
 
 N, DIM = 512, 64  # the range step needs n >> z sqrt(2 d) (its histogram noise)
 MU = np.linspace(-0.02, 0.02, DIM)  # the clients' common update direction

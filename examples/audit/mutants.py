@@ -86,7 +86,7 @@ MUTANTS: tuple[Mutant, ...] = (
            LOCAL, ("local_dp_sgd",)),
     # (b) central: owners' clipped sums + JointDP._aggregate's noise
     Mutant("central-noise/10", "JointDP._aggregate (KIND_GRAD_SUM) adds noise z/10",
-           (("flwr_jdp/joint_dp/strategy.py",
+           (("strategies/joint_dp/aggregation.py",
              code("GaussianSumMechanism(self.noise_multiplier, cfg.clipping_norm, "
                   "self.schedule.server_rate * self.schedule.num_units"),
              "GaussianSumMechanism(self.noise_multiplier / 10, cfg.clipping_norm, "
@@ -113,7 +113,7 @@ MUTANTS: tuple[Mutant, ...] = (
            (("flwr_jdp/mtl/algorithm.py",
              code("local_pgd(w, mean, task, model, cfg.lam, cfg.lr, cfg.local_steps, cfg.radius)"),
              "local_pgd(w, mean, task, model, cfg.lam, cfg.lr, cfg.local_steps, cfg.radius * 10)"),
-            ("flwr_jdp/mtl/strategy.py",
+            ("strategies/dp_mtl.py",
              code("float(np.linalg.norm(w)) > self.cfg.radius * (1 + BALL_SLACK)"),
              "float(np.linalg.norm(w)) > self.cfg.radius * 10 * (1 + BALL_SLACK)")),
            MTL, ("dp_mtl_mean",)),
@@ -176,9 +176,16 @@ def repo_files() -> list[str]:
     return sorted({f for f in out.split("\0") if f and (ROOT / f).is_file()})
 
 
+def in_copy(rel: str) -> str:
+    """Where a repository file lies in the copy: as installed, ``strategies/`` inside
+    ``flwr_jdp/`` (``flwr_jdp.strategies``; ``[tool.setuptools.package-dir]``), so the
+    copy's ``flwr_jdp`` imports its own strategies, not the repository's."""
+    return f"flwr_jdp/{rel}" if rel.startswith("strategies/") else rel
+
+
 def make_copy(files: list[str], dest: Path) -> None:
     for rel in files:
-        target = dest / rel
+        target = dest / in_copy(rel)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, target)
 
@@ -188,7 +195,7 @@ def apply(dest: Path, replacements: tuple[tuple[str, str, str], ...]) -> None:
     (whitespace between tokens written ``\\s*``, so a re-wrapped line still matches)
     that must match exactly once."""
     for rel, pattern, new in replacements:
-        path = dest / rel
+        path = dest / in_copy(rel)
         text, count = re.subn(pattern, lambda _m, new=new: new, path.read_text())
         if count != 1:
             raise RuntimeError(f"{rel}: mutant pattern found {count} times (expected exactly 1): {pattern}")
@@ -206,7 +213,7 @@ def env_for(copy: Path, out: Path, home: Path) -> dict[str, str]:
 
 def preflight(copy: Path, env: dict[str, str]) -> None:
     """Import the package in the copy as pytest will, and check every part comes from it."""
-    code = ("import json, flwr_jdp, flwr_jdp.joint_dp.strategy as j, flwr_jdp.joint_dp.client_app as c, "
+    code = ("import json, flwr_jdp, flwr_jdp.strategies.joint_dp.aggregation as j, apps.joint_dp.joint_dp.client_app as c, "
             "flwr_jdp.training.dp_sgd as d; print(json.dumps([flwr_jdp.__file__, j.__file__, c.__file__, d.__file__]))")
     got = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, check=True, capture_output=True,
                          text=True).stdout

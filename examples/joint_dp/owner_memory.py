@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Context, RecordDict
 
+from apps.joint_dp.joint_dp.task import initial_model, owner_data
 from flwr_jdp.joint_dp import owner_store
 from flwr_jdp.joint_dp.config import parse_config
-from flwr_jdp.joint_dp.task import initial_model, owner_data
 from flwr_jdp.params import get_arrays, split_parameters
 
 # research/ (the reproductions' code) is not installed: import it from the repository root

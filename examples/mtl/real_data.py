@@ -23,8 +23,8 @@ Methods
   owner-level DP-FedAvg with central noise, E = 5, T = 20 (the paper's Table 3
   schedule at n = 256), local lr 0.05, update clip 1.0; not tuned.
 
-    python examples/mtl/real_data.py --stage tune
-    python examples/mtl/real_data.py --stage run      # -> results/mtl/real_data.csv, real_data.png
+    python (apps/dp_mtl)/real_data.py --stage tune
+    python (apps/dp_mtl)/real_data.py --stage run      # -> results/mtl/real_data.csv, real_data.png
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ task level replace-one, every task every round. The error is the mean excess
 population loss of the personalized models, ``||w_k - w_k*||^2 / 2`` (exact for
 ``x ~ N(0, I)``), averaged over ``--seeds`` noise seeds (one row per run).
 
-    python examples/mtl/trends.py            # all sweeps -> results/mtl/
-    python examples/mtl/trends.py --quick    # one seed, fewer points
+    python (apps/dp_mtl)/trends.py            # all sweeps -> results/mtl/
+    python (apps/dp_mtl)/trends.py --quick    # one seed, fewer points
 
 Writes ``excess_vs_epsilon.csv``, ``excess_vs_rounds.csv``,
 ``excess_vs_tasks.csv`` (columns ``sweep,calibration,num_tasks,rounds,epsilon,

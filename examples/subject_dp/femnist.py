@@ -1,13 +1,13 @@
 """Subject-level DP on FEMNIST (writers as subjects, 16 silos): the five methods of
 Marathe et al. through the project's ServerApp strategy and ClientApp.
 
-Each run is :class:`~flwr_jdp.subject.strategy.SubjectLevelFedAvg` driving the
-real ClientApp (``flwr_jdp.subject.app:client``) on an in-process grid
-(:class:`~flwr_jdp.inprocess.InProcessGrid`, no Ray; ``flwr run examples/subject_dp``
+Each run is :class:`~flwr_jdp.strategies.subject_level.SubjectLevelFedAvg` driving the
+real ClientApp (``apps/subject_dp (subject_dp.client_app:client)``) on an in-process grid
+(:class:`~flwr_jdp.inprocess.InProcessGrid`, no Ray; ``flwr run apps/subject_dp``
 runs the same apps on a Flower federation). Every run uses the reported-counts mode
 (``max-records-per-subject = 0``: silos report their per-subject counts, not DP), the
 paper's setting in which the committed results were computed; a user's run defaults to
-the public cap instead (``examples/subject_dp/pyproject.toml``).
+the public cap instead (``apps/subject_dp/pyproject.toml``).
 
     python examples/subject_dp/femnist.py --data-dir ../shared/data/femnist \\
         --alpha 1 --runs fedavg local-item-dp higradavg-exact user-ldp
@@ -36,10 +36,11 @@ import numpy as np
 import torch
 from accounting import write_csv
 
+from apps.subject_dp.subject_dp.client_app import client
+from apps.subject_dp.subject_dp.server_app import test_evaluator
 from flwr_jdp.inprocess import InProcessGrid
-from flwr_jdp.subject.app import client, test_evaluator
+from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
 from flwr_jdp.subject.config import parse_subject_config
-from flwr_jdp.subject.strategy import SubjectLevelFedAvg
 from flwr_jdp.subject.task import build_subject_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -55,13 +55,13 @@ from flwr.serverapp.strategy import (
     DifferentialPrivacyServerSideFixedClipping,
     FedAvg,
 )
-from flwr_jdp.strategies import DifferentialPrivacyWinsorizedMean
 
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.models.linear import LinearModel
 from flwr_jdp.mtl.tasks import label_skew_tasks
 from flwr_jdp.privacy.calibration import calibrate
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
+from flwr_jdp.strategies import DifferentialPrivacyWinsorizedMean
 from flwr_jdp.winsorized.estimator import WinsorizedMean
 
 USERS, ROUNDS, STEPS, LR, DELTA, RANGE_SHARE = 1000, 10, 5, 2.0, 1e-5, 0.25

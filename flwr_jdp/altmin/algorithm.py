@@ -1,6 +1,6 @@
 """Priv-AltMin end to end, as server steps and client steps.
 
-The Flower strategy (:mod:`flwr_jdp.altmin.strategy`) and the
+The Flower strategy (:mod:`flwr_jdp.strategies.priv_altmin`) and the
 single-process reference (:func:`run_single_process`) call the same functions:
 clients compute clipped sums over the users they host
 (:func:`flwr_jdp.altmin.statistics.init_statistic`,

@@ -38,7 +38,7 @@ METHODS = ("joint-dp", "full-dp", "fedavg", "per-silo")
 #: holds); the joint-DP paper's Algorithm 1 (``interleaved``) is refused.
 COUPLINGS = ("decoupled",)
 #: The public values a decoupled release holds the personal parameters at (see
-#: :func:`flwr_jdp.joint_dp.server_app.initial_arrays`): ``seeded`` (the seeded
+#: :func:`apps.joint_dp.joint_dp.server_app.initial_arrays`): ``seeded`` (the seeded
 #: initialisation) or ``zero-head`` (personal parameters of the model's head at zero,
 #: so the release trains the shared layers without a fixed random head beside them).
 RELEASE_PERSONAL = ("seeded", "zero-head")

@@ -9,7 +9,7 @@ are (epsilon, delta)-DP (:mod:`.noise`); each personalized model is computed by
 its own task from its data and those releases (billboard lemma), hence JDP.
 
 The Flower strategy (:class:`flwr_jdp.strategies.DPMeanRegularizedMTL`) and the
-ClientApp (:mod:`flwr_jdp.mtl.app`) call the same :class:`MeanServer` and
+ClientApp (the DP-MTL app, ``apps/dp_mtl``) call the same :class:`MeanServer` and
 :func:`task_round` / :func:`evaluate_task` as :func:`run_single_process`, so the
 two paths agree to rounding for the same noise seed.
 """

@@ -84,7 +84,7 @@ from .protocol import (
 
 TrainFn = Callable[[nn.Module, DataLoader], object]
 
-#: ``context.state`` key prefix of a task's ``w_k`` (as in :mod:`flwr_jdp.mtl.app`).
+#: ``context.state`` key prefix of a task's ``w_k`` (as in the DP-MTL app, ``apps/dp_mtl``).
 STATE_PREFIX = "dp-mtl.task."
 
 

@@ -146,7 +146,7 @@ def namespaced_mtl_config(run_config: dict[str, Any]) -> tuple[int, MTLConfig, d
     prefix = f"{NAMESPACE}."
     for key in run_config:
         if key.startswith(prefix) and key[len(prefix):] in NUMPY_APP_ONLY:
-            raise ConfigError(f"run-config key '{key}' is a key of the numpy DP-MTL app (examples/mtl); "
+            raise ConfigError(f"run-config key '{key}' is a key of the numpy DP-MTL app ((apps/dp_mtl)); "
                               "with MTLClient the ClientApp's own data loaders and train function define "
                               "the tasks, their local steps and learning rate")
     refuse_misplaced(run_config, prefix, set(dropin_keys()) & {*PRIVACY_KEYS, *MTL_KEYS_REFUSED_OUTSIDE})

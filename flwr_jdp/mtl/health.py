@@ -7,7 +7,8 @@
   towards noise. The ratio ``sigma sqrt(d) / B = z sqrt(d) / (q m)`` does not depend
   on ``B``: only more tasks ``m``, a larger epsilon (smaller ``z``), fewer rounds or a
   smaller model ``d`` lower it.
-- :func:`ended_on_skipped_round` / :func:`skipped_run_failed`: a round in which
+- :func:`ended_on_skipped_round` (the failure itself is raised by the strategy,
+  :class:`~flwr_jdp.strategies.DPMeanRegularizedMTL`): a round in which
   tasks were asked and none sent a valid model ("0 tasks sent": every task dropped,
   refused or diverged) is a *skipped* round (``row["skipped"]``). The accounted
   loop fails the run after ``max-skipped-rounds`` of them in a row; a run whose
@@ -82,19 +83,6 @@ def trailing_skipped(history: list[dict]) -> int:
     return n
 
 
-def skipped_run_failed(history: list[dict], epsilon: float, reasons: str) -> Exception:
-    """The failure (:class:`flwr_jdp.accounted.RunFailed`) of a run whose final round(s)
-    had no task train."""
-    from flwr_jdp.accounted import RunFailed  # the server side only
-
-    n = trailing_skipped(history)
-    last = history[-1]["round"] if history else 0
-    return RunFailed(
-        f"run failed: its final round{'s' if n > 1 else ''} ({n} up to round {last}) had no task train "
-        f"(0 tasks sent: every task's reply dropped, refused or diverged), so the last released mean is "
-        f"noise only; epsilon {epsilon:.4f} spent and saved. Last round's reasons: {reasons}")
-
-
 def tasks_sent(row: dict) -> str:
     """The round line's ``N tasks sent`` (``skipped`` when tasks were asked and none trained)."""
     return f"{row['tasks']} tasks sent" + (" (skipped: no task trained)" if row.get("skipped") else "")
@@ -115,4 +103,4 @@ def divergence_hint(mean: np.ndarray, cfg: MTLConfig) -> str:
 
 
 __all__ = ["GUIDE", "divergence_hint", "ended_on_skipped_round", "expected_noise_norm",
-           "noise_warning", "skipped_run_failed", "tasks_sent", "trailing_skipped", "warn_if_noise_dominates"]
+           "noise_warning", "tasks_sent", "trailing_skipped", "warn_if_noise_dominates"]

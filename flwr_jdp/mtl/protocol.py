@@ -1,5 +1,5 @@
 """Message keys of DP mean-regularized MTL (server: :class:`flwr_jdp.strategies.DPMeanRegularizedMTL`,
-ClientApp: :mod:`flwr_jdp.mtl.app`, or a user's own app with :class:`flwr_jdp.mtl.client.MTLClient`)."""
+ClientApp: the DP-MTL app, ``apps/dp_mtl``, or a user's own app with :class:`flwr_jdp.mtl.client.MTLClient`)."""
 
 CONFIG, MEAN, MODELS, METRICS, SETUP = "config", "mean", "models", "metrics", "setup"
 TASKS, ROUND = "tasks", "round"

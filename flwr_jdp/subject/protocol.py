@@ -1,5 +1,5 @@
 """Message keys of subject-level DP (server: :class:`flwr_jdp.strategies.SubjectLevelFedAvg`,
-ClientApp: :mod:`flwr_jdp.subject.app`), and the model <-> arrays helpers both use."""
+ClientApp: the subject-level app, ``apps/subject_dp``), and the model <-> arrays helpers both use."""
 
 import numpy as np
 import torch

@@ -1,6 +1,6 @@
 """Message keys of the winsorized user-level mean Flower App (server:
-:class:`flwr_jdp.winsorized.strategy.DifferentialPrivacyWinsorizedMean` around
-Flower's ``FedAvg``, run by :mod:`flwr_jdp.winsorized.app`; ClientApp: the same module).
+:class:`flwr_jdp.strategies.winsorized.DifferentialPrivacyWinsorizedMean` around
+Flower's ``FedAvg``, run by the winsorized app, ``apps/winsorized``).
 
 A SuperNode may host several users (user ``k`` lives on the node with
 ``partition-id = k mod num-partitions``), so a node's messages carry every user it

@@ -10,8 +10,9 @@ Run from the repository root after ``mutmut run`` (docs/mutation.md)::
     python results/mutation/summarize.py [--triaged docs/mutation.md]
 
 ``--patterns`` prints mutmut's name patterns for :data:`SELECTED` (the mutated
-code: whole modules, and the aggregation and noise functions of
-``flwr_jdp/joint_dp/strategy.py``, a large file whose logging, results and
+code: whole modules, and the aggregation and noise functions of JointDP in
+``strategies/joint_dp/plan.py`` and ``aggregation.py``, named by file path
+(``strategies.joint_dp.plan.…``; the set-up, logging, results and
 evaluation code is not privacy-critical); a plain ``mutmut run`` would check every
 function of every ``only_mutate`` file. The summary counts exactly the mutants of
 :data:`SELECTED`. ``--patterns`` leaves out :data:`SCOPED_MODULES` (the accounting
@@ -55,12 +56,12 @@ SELECTED = (
     # JointDP's aggregation and noise: selection (fraction-train), calibration of z,
     # the charge before the instruction leaves, validation -> re-clip -> sum -> noise
     # -> normalise, and the inner strategy's post-processing.
-    "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_select",
-    "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_calibrate",
-    "flwr_jdp.joint_dp.strategy.xǁJointDPǁconfigure_train",
-    "flwr_jdp.joint_dp.strategy.xǁJointDPǁaggregate_train",
-    "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_aggregate",
-    "flwr_jdp.joint_dp.strategy.xǁJointDPǁ_post_process",
+    "strategies.joint_dp.plan.xǁReleasePlanǁ_select",
+    "strategies.joint_dp.plan.xǁReleasePlanǁ_calibrate",
+    "strategies.joint_dp.plan.xǁReleasePlanǁconfigure_train",
+    "strategies.joint_dp.aggregation.xǁAggregationǁaggregate_train",
+    "strategies.joint_dp.aggregation.xǁAggregationǁ_aggregate",
+    "strategies.joint_dp.aggregation.xǁAggregationǁ_post_process",
     "flwr_jdp.joint_dp.client",
     "flwr_jdp.joint_dp.release",
     "flwr_jdp.joint_dp.owner_store",
@@ -78,32 +79,32 @@ SELECTED = (
     "flwr_jdp.mtl.algorithm.xǁMeanServerǁ__init__",
     "flwr_jdp.mtl.algorithm.xǁMeanServerǁsample",
     "flwr_jdp.mtl.algorithm.xǁMeanServerǁnoisy_mean",
-    "flwr_jdp.mtl.strategy.xǁDPMeanRegularizedMTLǁ_plan",
-    "flwr_jdp.mtl.strategy.xǁDPMeanRegularizedMTLǁconfigure_train",
-    "flwr_jdp.mtl.strategy.xǁDPMeanRegularizedMTLǁaggregate_train",
+    "strategies.dp_mtl.xǁDPMeanRegularizedMTLǁ_plan",
+    "strategies.dp_mtl.xǁDPMeanRegularizedMTLǁconfigure_train",
+    "strategies.dp_mtl.xǁDPMeanRegularizedMTLǁaggregate_train",
     # Subject-level DP: the plan (worst-case counts, rates, z), the per-subject cap,
     # the silos' DP training, and the server's charge, instruction and averaging.
     "flwr_jdp.subject.plan",
     "flwr_jdp.subject.silos",
     "flwr_jdp.training.subject_level",
-    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁround_events",
-    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁ_train_messages",
-    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁ_collect",
-    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁconfigure_train",
-    "flwr_jdp.subject.strategy.xǁSubjectLevelFedAvgǁaggregate_train",
+    "strategies.subject_level.xǁSubjectLevelFedAvgǁround_events",
+    "strategies.subject_level.xǁSubjectLevelFedAvgǁ_train_messages",
+    "strategies.subject_level.xǁSubjectLevelFedAvgǁ_collect",
+    "strategies.subject_level.xǁSubjectLevelFedAvgǁconfigure_train",
+    "strategies.subject_level.xǁSubjectLevelFedAvgǁaggregate_train",
     # Priv-AltMin: its Gaussian releases, the charge and the noisy aggregation.
     "flwr_jdp.altmin.release",
-    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁconfigure_train",
-    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁ_valid",
-    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁaggregate_train",
-    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁround_releases",
-    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁrelease_events",
-    "flwr_jdp.altmin.strategy.xǁPrivAltMinǁ_charge",
+    "strategies.priv_altmin.xǁPrivAltMinǁconfigure_train",
+    "strategies.priv_altmin.xǁPrivAltMinǁ_valid",
+    "strategies.priv_altmin.xǁPrivAltMinǁaggregate_train",
+    "strategies.priv_altmin.xǁPrivAltMinǁround_releases",
+    "strategies.priv_altmin.xǁPrivAltMinǁrelease_events",
+    "strategies.priv_altmin.xǁPrivAltMinǁ_charge",
     # The winsorized user-level mean: the estimator and the strategy's aggregation.
     "flwr_jdp.winsorized.estimator",
-    "flwr_jdp.winsorized.strategy.xǁDifferentialPrivacyWinsorizedMeanǁconfigure_train",
-    "flwr_jdp.winsorized.strategy.xǁDifferentialPrivacyWinsorizedMeanǁ_update",
-    "flwr_jdp.winsorized.strategy.xǁDifferentialPrivacyWinsorizedMeanǁaggregate_train",
+    "strategies.winsorized.xǁDifferentialPrivacyWinsorizedMeanǁconfigure_train",
+    "strategies.winsorized.xǁDifferentialPrivacyWinsorizedMeanǁ_update",
+    "strategies.winsorized.xǁDifferentialPrivacyWinsorizedMeanǁaggregate_train",
 )
 
 

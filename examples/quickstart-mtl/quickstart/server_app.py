@@ -3,8 +3,8 @@ releases only a noisy mean of the tasks' models)."""
 
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from flwr_jdp.strategies import DPMeanRegularizedMTL
 
+from flwr_jdp.strategies import DPMeanRegularizedMTL
 from quickstart.task import Net
 
 app = ServerApp()

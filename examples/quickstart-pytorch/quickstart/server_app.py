@@ -3,8 +3,8 @@
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from flwr_jdp.strategies import JointDP
 
+from flwr_jdp.strategies import JointDP
 from quickstart.task import Net
 
 app = ServerApp()

@@ -63,7 +63,6 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 
-from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.checkpoint import Checkpoint
 from flwr_jdp.config_check import ConfigError, run_folder
 from flwr_jdp.mtl import health
@@ -89,6 +88,7 @@ from flwr_jdp.mtl.protocol import (  # noqa: E402 - the keys, re-exported
 from flwr_jdp.node_query import query_nodes
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
+from flwr_jdp.strategies.accounted import AccountedStrategy, RunFailed
 
 #: Relative slack on the ball check (float32/float64 round-off of a projected model).
 BALL_SLACK = 1e-6
@@ -446,7 +446,7 @@ class DPMeanRegularizedMTL(AccountedStrategy):
         self.status = "failed" if failed else status
         self._save(time.time() - self._t0)
         if failed:
-            raise health.skipped_run_failed(self.history, self.epsilon_spent(), self.failure_reasons())
+            raise _skipped_run_failed(self.history, self.epsilon_spent(), self.failure_reasons())
 
     def epsilon_spent(self) -> float:
         return self.ledger.epsilon() if self.cfg.private else math.inf
@@ -506,6 +506,16 @@ class DPMeanRegularizedMTL(AccountedStrategy):
                              self.release.noise_multiplier, self.status, self.results(wall_seconds))
         if self.status != "running":
             log(INFO, "Finished (%s): results in %s", self.status, self.checkpoint.directory)
+
+
+def _skipped_run_failed(history: list[dict], epsilon: float, reasons: str) -> RunFailed:
+    """The failure of a run whose final round(s) had no task train."""
+    n = health.trailing_skipped(history)
+    last = history[-1]["round"] if history else 0
+    return RunFailed(
+        f"run failed: its final round{'s' if n > 1 else ''} ({n} up to round {last}) had no task train "
+        f"(0 tasks sent: every task's reply dropped, refused or diverged), so the last released mean is "
+        f"noise only; epsilon {epsilon:.4f} spent and saved. Last round's reasons: {reasons}")
 
 
 __all__ = ["DPMeanRegularizedMTL", "parse_task_key", "task_key"]

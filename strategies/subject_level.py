@@ -69,13 +69,13 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 
-from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.checkpoint import Checkpoint
 from flwr_jdp.config_check import ConfigError
 from flwr_jdp.node_query import query_nodes
 from flwr_jdp.privacy.events import dp_sgd
 from flwr_jdp.privacy.horizontal import HorizontalAccountant, SiloRelease
 from flwr_jdp.privacy.ledger import PrivacyLedger
+from flwr_jdp.strategies.accounted import AccountedStrategy
 from flwr_jdp.subject.config import SubjectDPConfig
 from flwr_jdp.subject.plan import SubjectPlan, accounting_counts, make_plan, over_target, worst_case_counts
 from flwr_jdp.subject.protocol import (  # noqa: E402,F401 - the keys, re-exported

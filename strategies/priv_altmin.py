@@ -45,7 +45,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.altmin.algorithm import (
     AltMinConfig,
     epoch_releases,
@@ -59,6 +58,7 @@ from flwr_jdp.altmin.release import GaussianRelease
 from flwr_jdp.altmin.statistics import AltMinSums
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
+from flwr_jdp.strategies.accounted import AccountedStrategy
 
 
 class PrivAltMin(AccountedStrategy):

@@ -1,9 +1,9 @@
-"""flwr-jdp's own ClientApp (``flwr run .``), written as a user's Flower app.
+"""flwr-jdp's own ClientApp (``flwr run apps/joint_dp``, ``flwr run .``), written as a user's Flower app.
 
 It is an ordinary Flower app on the package's client half, the same one a user's app
-uses (:class:`~flwr_jdp.joint_dp.client.JointDPClient`, hosted several owners to a
+uses (:class:`~flwr_jdp.client.JointDPClient`, hosted several owners to a
 node by :func:`~flwr_jdp.joint_dp.client.hosting_mod`) around the app's own model,
-data, ``train`` and ``test`` (:mod:`flwr_jdp.joint_dp.task`). flwr-jdp's client half does the privacy: it checks and charges each
+data, ``train`` and ``test`` (:mod:`.task`). flwr-jdp's client half does the privacy: it checks and charges each
 instruction, fits the personal layers, runs DP-SGD at the server's schedule inside
 ``train`` and sends only the shared release.
 
@@ -30,12 +30,14 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader
 
+from flwr_jdp.client import JointDPClient
 from flwr_jdp.data.partition import OwnerData
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.client import JointDPClient, hosting_mod, owner_id
+from flwr_jdp.joint_dp.client import hosting_mod, owner_id
 from flwr_jdp.joint_dp.config import JobConfig
 from flwr_jdp.joint_dp.owner_store import owner_generator, trained_rounds
-from flwr_jdp.joint_dp.task import initial_model, loader, node_job_config, owner_data, test, train
+
+from .task import initial_model, loader, node_job_config, owner_data, test, train
 
 #: Offsets of the app's own randomness streams (batch order, augmentation) from the
 #: client half's (sampling and noise of round r use stream r), so none is reused.

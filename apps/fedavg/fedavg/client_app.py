@@ -1,29 +1,24 @@
-"""Plain Flower FedAvg on the same data and model, without DP (a baseline).
+"""The FedAvg baseline's ClientApp: plain Flower training on the same data and model
+as the joint-DP app, without DP.
 
-One owner per SuperNode (owner id = ``partition-id``); all parameters are shared
-and averaged by Flower's own ``FedAvg``. Used by the benchmarks to measure what
-joint DP costs over plain Flower.
+One owner per SuperNode (owner id = ``partition-id``); every parameter is sent and
+averaged by Flower's own ``FedAvg`` (:mod:`fedavg.server_app`). Used by the
+benchmarks to measure what joint DP costs over plain Flower.
 """
 
 from __future__ import annotations
 
-import time
-from logging import INFO
-
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common import log
-from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
 
 from flwr_jdp.joint_dp.config import parse_config
 from flwr_jdp.joint_dp.owner_store import owner_generator
-from flwr_jdp.joint_dp.task import initial_model, owner_data
 from flwr_jdp.training import evaluate, train_plain
 
+from .task import initial_model, owner_data
+
 client = ClientApp()
-server = ServerApp()
 
 
 def _model(context: Context, msg: Message):
@@ -54,16 +49,3 @@ def evaluate_owner(msg: Message, context: Context) -> Message:
     content = RecordDict({"metrics": MetricRecord(
         {"num-examples": len(data.y_test), "accuracy": acc, "loss": loss})})
     return Message(content, reply_to=msg)
-
-
-@server.main()
-def main(grid: Grid, context: Context) -> None:
-    cfg = parse_config(context.run_config)
-    model = initial_model(cfg)
-    strategy = FedAvg(min_train_nodes=cfg.num_owners, min_evaluate_nodes=cfg.num_owners,
-                      min_available_nodes=cfg.num_owners)
-    t0 = time.time()
-    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
-                            num_rounds=cfg.num_rounds)
-    log(INFO, "FedAvg finished in %.1fs; accuracy %s", time.time() - t0,
-        result.evaluate_metrics_clientapp.get(cfg.num_rounds))

@@ -1,5 +1,5 @@
-"""flwr-jdp's own ServerApp (``flwr run .``): validates the run config, builds the
-seed CNN and runs :class:`JointDP` on it, as a user's ServerApp does.
+"""flwr-jdp's own ServerApp (``flwr run apps/joint_dp``, ``flwr run .``): validates the
+run config, builds the seed CNN and runs :class:`JointDP` on it, as a user's ServerApp does.
 
 A bad configuration fails here, before any training, with a message naming the
 run-config key and its allowed range.
@@ -17,9 +17,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError, JobConfig, parse_config
-from flwr_jdp.joint_dp.strategy import JointDP
-from flwr_jdp.joint_dp.task import initial_model
 from flwr_jdp.params import split_parameters
+from flwr_jdp.strategies import JointDP
+
+from .task import initial_model
 
 app = ServerApp()
 

@@ -1,7 +1,7 @@
 """flwr-jdp's own app's model, data and training (the ``task.py`` of a Flower app):
 the seed CNN, each owner's partition of the configured data set, a plain SGD
 ``train`` and a ``test`` function. Nothing here knows about privacy; the ClientApp
-(:mod:`flwr_jdp.joint_dp.client_app`) hands these to the client half and the
+(:mod:`.client_app`) hands these to the client half and the
 ServerApp builds ``initial_arrays`` from :func:`initial_model`.
 """
 

@@ -38,9 +38,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import Strategy
 
-from flwr_jdp.accounted import AccountedStrategy
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, PrivacyLedger
 from flwr_jdp.privacy.mechanisms import numpy_rng
+from flwr_jdp.strategies.accounted import AccountedStrategy
 from flwr_jdp.winsorized.estimator import WinsorizedMean
 
 

@@ -1,4 +1,4 @@
-"""The DP-MTL Flower App: ``server`` (ServerApp) and ``client`` (ClientApp).
+"""The DP-MTL ClientApp (its ServerApp: :mod:`dp_mtl.server_app`).
 
 A SuperNode with ``partition-id = p`` of ``num-partitions = P`` hosts tasks
 ``p, p + P, ...``. It builds their data itself (synthetic tasks from the run
@@ -6,46 +6,23 @@ config, or the project's label-skew owners of a real data set, once per
 process), keeps every task's model ``w_k`` in ``context.state``, and sends only
 the ball-projected ``w_k`` of the tasks the server sampled. Personalized models
 (fine-tuned against ``w~``) are computed for evaluation and never sent. Run it
-with ``flwr run examples/mtl`` or :func:`research.simulation.simulate`
+with ``flwr run apps/dp_mtl`` or :func:`research.simulation.simulate`
 (``app="dp-mtl"``).
 """
 
 from __future__ import annotations
 
-from logging import ERROR
-
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common import log
-from flwr.serverapp import Grid, ServerApp
 
-from flwr_jdp.config_check import ConfigError
 from flwr_jdp.mtl.algorithm import evaluate_task, task_round
 from flwr_jdp.mtl.config import parse_mtl_config
 from flwr_jdp.mtl.protocol import CONFIG, MEAN, METRICS, MODELS, SETUP, TASKS, task_key
 from flwr_jdp.records import hosted_owners
 
-server = ServerApp()
 client = ClientApp()
 STATE_PREFIX = "dp-mtl.task."
-
-
-@server.main()
-def main(grid: Grid, context: Context) -> None:
-    """Run DP mean-regularized MTL as configured by the run config."""
-    try:
-        source, cfg, extras = parse_mtl_config(context.run_config)
-        num_params = source.model().num_params
-    except (ConfigError, FileNotFoundError) as err:
-        log(ERROR, "Invalid configuration: %s", err)
-        raise
-    from flwr_jdp.mtl.strategy import DPMeanRegularizedMTL  # the server side only
-
-    strategy = DPMeanRegularizedMTL(source.num_tasks, num_params, cfg, extras["results-dir"],
-                                    extras["noise-seed"], dict(context.run_config),
-                                    resume=bool(context.run_config.get("resume", True)))
-    strategy.start(grid)
 
 
 def _hosted(context: Context) -> list[int]:

@@ -1,47 +1,28 @@
-"""The Priv-AltMin Flower App: ``server`` (ServerApp) and ``client`` (ClientApp).
+"""The Priv-AltMin ClientApp (its ServerApp: :mod:`priv_altmin.server_app`).
 
 A SuperNode with ``partition-id = p`` of ``num-partitions = P`` hosts the user
 blocks ``p, p + P, ...`` of the synthetic problem (so 50,000 users fit on, say,
 50 SuperNodes of 1,000 users). It generates its users itself (deterministic in
 the run config), keeps them and their ``v_j`` local, and only sends per-node sums
-of user-level clipped statistics. Run it with ``examples/altmin/`` (a Flower App
-whose components are these objects) or :func:`research.simulation.simulate`
-(``app="priv-altmin"``).
+of user-level clipped statistics. Run it with ``flwr run apps/priv_altmin`` or
+:func:`research.simulation.simulate` (``app="priv-altmin"``).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from logging import ERROR
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common import log
-from flwr.serverapp import Grid, ServerApp
 
 from flwr_jdp.altmin.algorithm import client_statistics, evaluate_users
 from flwr_jdp.altmin.config import parse_altmin_config
 from flwr_jdp.altmin.problem import ProblemSpec, Users, node_blocks, users_of_blocks
 from flwr_jdp.altmin.protocol import CONFIG, EMBEDDING, METRICS, STATS
 from flwr_jdp.altmin.statistics import init_statistic
-from flwr_jdp.config_check import ConfigError
 
-server = ServerApp()
 client = ClientApp()
-
-
-@server.main()
-def main(grid: Grid, context: Context) -> None:
-    """Run Priv-AltMin as configured by the run config."""
-    try:
-        spec, cfg, extras = parse_altmin_config(context.run_config)
-    except ConfigError as err:
-        log(ERROR, "Invalid configuration: %s", err)
-        raise
-    from flwr_jdp.altmin.strategy import PrivAltMin  # the server side only
-
-    PrivAltMin(spec, cfg, extras["results-dir"], extras["noise-seed"]).start(grid)
 
 
 @lru_cache(maxsize=4)

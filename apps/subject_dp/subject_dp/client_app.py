@@ -1,4 +1,4 @@
-"""The subject-level DP Flower App: ``server`` (ServerApp) and ``client`` (ClientApp).
+"""The subject-level DP ClientApp (its ServerApp: :mod:`subject_dp.server_app`).
 
 A SuperNode with ``partition-id = p`` of ``num-partitions = P`` hosts silos
 ``p, p + P, ...`` (FEMNIST writers or Shakespeare characters as subjects, by the
@@ -8,13 +8,14 @@ process; in the default public-cap mode each silo keeps at most
 instruction against the plan it derives from its run config and charges its own
 ledger (:mod:`flwr_jdp.subject.silo_guard`; a refusal is an error reply naming the
 reason), then trains the received model with the configured mechanism
-(:mod:`flwr_jdp.training.subject_level`) and replies with its noised model. Run with ``flwr run examples/subject_dp`` or
-``examples/subject_dp/femnist.py`` (the same apps on an in-process grid).
+(:mod:`flwr_jdp.training.subject_level`) and replies with its noised model. Run with
+``flwr run apps/subject_dp`` or ``examples/subject_dp/femnist.py`` (the same apps on an
+in-process grid).
 """
 
 from __future__ import annotations
 
-from logging import ERROR, WARNING
+from logging import WARNING
 
 import numpy as np
 import torch
@@ -22,9 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
-from flwr.serverapp import Grid, ServerApp
 
-from flwr_jdp.config_check import ConfigError
 from flwr_jdp.privacy.guard import InstructionRefused
 from flwr_jdp.privacy.mechanisms import torch_generator
 from flwr_jdp.records import hosted_owners
@@ -34,45 +33,9 @@ from flwr_jdp.subject.group_privacy import group_noise_multiplier
 from flwr_jdp.subject.protocol import CONFIG, MODEL, SETUP, SILOS, STATS, load_arrays, model_arrays, silo_key
 from flwr_jdp.subject.silo_guard import charge_silos
 from flwr_jdp.subject.task import build_subject_model
-from flwr_jdp.training.plain import evaluate
 from flwr_jdp.training.subject_level import BatchStats, SiloPlan, train_silo_round
 
-server = ServerApp()
 client = ClientApp()
-
-
-def test_evaluator(cfg):  # noqa: ANN001, ANN201
-    """Accuracy of the global model on the task's test set (``evaluate-on =
-    test``) or on the validation split carved from the training records
-    (``validation``, for tuning: nothing is chosen by looking at the test set).
-    Server-side evaluation of the released model is post-processing."""
-    ds, val, _ = sd.dataset(cfg)
-    x, y = (ds.x_test, ds.y_test) if cfg.evaluate_on == "test" else val
-
-    def fn(model: torch.nn.Module) -> dict:
-        loss, acc = evaluate(model, x, y)
-        return {"accuracy": float(acc), "loss": float(loss)}
-    return fn
-
-
-@server.main()
-def main(grid: Grid, context: Context) -> None:
-    """Run subject-level DP training as configured by the run config."""
-    try:
-        cfg = parse_subject_config(context.run_config)
-    except ConfigError as err:
-        log(ERROR, "Invalid configuration: %s", err)
-        raise
-    torch.set_num_threads(1)
-    from flwr_jdp.subject.strategy import SubjectLevelFedAvg  # the server side only
-
-    strategy = SubjectLevelFedAvg(cfg, build_subject_model(cfg), test_evaluator(cfg),
-                                  dict(context.run_config))
-    try:
-        strategy.start(grid)
-    except ConfigError as err:  # e.g. a plan over target-epsilon, refused before any release
-        log(ERROR, "Invalid configuration: %s", err)
-        raise
 
 
 def _hosted(context: Context, num_silos: int) -> list[int]:
