@@ -928,7 +928,8 @@ class _ReleasePass(_DPPass):
                     p.copy_(want.to(p.device, p.dtype))
                 self.shown[n] = want.clone()
         if changed:
-            self.note("changed", f"the train function changed {changed[:3]} outside the DP steps; the release "
+            shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            self.note("changed", f"the train function changed {shown} outside the DP steps; the release "
                                  "is the DP steps' own trajectory (no_grad edits, hand-written updates and "
                                  "restored iterates do not reach it)")
 
@@ -1001,6 +1002,8 @@ class _ReleasePass(_DPPass):
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self.inside or not self.owns(optimizer):
             return
+        if self.user_optimizer is None:
+            self.user_optimizer, self.first_settings = optimizer, _settings(optimizer)
         if self.steps_taken >= self.sampler.drawn and self.sampler.drawn:
             self.note("step", "optimizer.step() was called without a new batch (a second step per batch?); "
                               "the DP pass did not step there")
@@ -1019,6 +1022,11 @@ class _ReleasePass(_DPPass):
         while self.steps_taken < steps:
             self.loader._next_batch()  # noqa: SLF001
             self._advance(self.sampler.drawn)
+        if self.user_optimizer is not None and any(
+                not all(_same_setting(a.get(k), b.get(k)) for k in a.keys() | b.keys())
+                for a, b in zip(_settings(self.user_optimizer), self.first_settings, strict=False)):
+            self.note("settings", "the optimizer's settings changed during the DP pass (a scheduler?); the DP "
+                                  "steps kept the ones the dry run found")
         if self.steps_taken > before:
             self.note("steps", f"the train function left DP steps untaken (a skipped batch, an early stop, or "
                                f"fewer passes over the loader than local-epochs = {epochs}); the DP pass took them, "
