@@ -442,7 +442,9 @@ def test_an_evaluation_fit_records_the_broadcast_but_no_trained_round():
 def test_owners_data_is_read_as_the_run_config_says(monkeypatch):
     """The node's data-dir, the seed and every partition setting reach the loader."""
     seen = {}
-    monkeypatch.setattr(task, "load_partitions", lambda *a: seen.setdefault("partitions", a))
+    from flwr_jdp.joint_dp import seed_model
+
+    monkeypatch.setattr(seed_model, "load_partitions", lambda *a: seen.setdefault("partitions", a))
     cfg = parse_config({"num-owners": 5, "seed": 9, "data-dir": "/data/here", "classes-per-owner": 3,
                         "validation-fraction": 0.2})
     task.owner_data(cfg)

@@ -82,7 +82,7 @@ CACHED = (
     ("flwr_jdp.privacy.events", ("_canonical_cached",)),
     ("flwr_jdp.privacy.rdp", ("_base_rdp",)),
     ("flwr_jdp.privacy.horizontal", ("sqrt_rounds",)),
-    ("apps.joint_dp.joint_dp.task", ("_seeded_model",)),
+    ("flwr_jdp.joint_dp.seed_model", ("_seeded_model",)),
 )
 
 

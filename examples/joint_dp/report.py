@@ -160,7 +160,7 @@ def paired_difference(runs: Path, a: dict[str, str], b: dict[str, str]) -> str:
 
     Pairing is sound because a run's seed fixes its data: the N-record subset, the
     owners' classes and their train and test splits depend on the seed, n and the data
-    settings every cell shares, not on the method (``apps/joint_dp/joint_dp/task.owner_data``), so seed s of both cells sees the same owners. Only seeds that both
+    settings every cell shares, not on the method (``flwr_jdp.joint_dp.seed_model.owner_data``), so seed s of both cells sees the same owners. Only seeds that both
     rows average are paired; an empty string when there is none."""
     acc_a, acc_b = seed_accuracies(runs, a), seed_accuracies(runs, b)
     diffs = [acc_a[s] - acc_b[s] for s in sorted(acc_a.keys() & acc_b.keys())]

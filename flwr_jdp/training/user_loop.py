@@ -378,6 +378,7 @@ class _DPPass:
         self.kind = (per_sample.model_kind(model), tuple((n, tuple(p.shape)) for n, p in self.named.items()))
         self.checked_kinds = _CHECKED_KINDS
         self.dry = False  # the dry run: rules checked, no gradient computed
+        self.shown_model = model  # the model whose output the user's code reads
         self.modes: dict[str, bool] | None = None
         self.device = torch.device("cpu")
 
@@ -465,7 +466,7 @@ class _DPPass:
         if fwd.filled:
             return
         with torch.no_grad():
-            fwd.values.copy_(self.model(*fwd.inputs))
+            fwd.values.copy_(self.shown_model(*fwd.inputs))
         fwd.filled = True
 
     def reshaped(self, out: PendingOutput, func, args, kwargs) -> PendingOutput | None:  # noqa: ANN001
@@ -903,7 +904,7 @@ class _ReleasePass(_DPPass):
         for name, m in private.named_modules():
             m.training = plan.modes.get(name, m.training)
         super().__init__(private, loader, clipping_norm, mechanism, generator, capture)
-        self.user_model = user_model
+        self.user_model = self.shown_model = user_model
         self.user_params = {n: p for n, p in user_model.named_parameters()}
         self.shown = {n: p.detach().clone() for n, p in self.user_params.items()}  # what the user's model showed
         self.plan = plan
@@ -942,13 +943,6 @@ class _ReleasePass(_DPPass):
         fwd = _Forward(inputs, (), self.sampler.drawn,
                        torch.full((inputs[0].shape[0], *shape), float("nan"), dtype=dtype, device=device))
         return _pending(fwd.values, fwd, self)
-
-    def fill(self, fwd: _Forward) -> None:
-        if fwd.filled:
-            return
-        with torch.no_grad():
-            fwd.values.copy_(self.user_model(*fwd.inputs))
-        fwd.filled = True
 
     def loss(self, func, args: tuple, kwargs: dict) -> torch.Tensor:  # noqa: ANN001
         out = args[0] if args else kwargs["input"]

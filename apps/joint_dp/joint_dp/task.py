@@ -7,19 +7,16 @@ ServerApp builds ``initial_arrays`` from :func:`initial_model`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 
 import torch
 from flwr.app import Context
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from flwr_jdp.data.datasets import dataset_shape
-from flwr_jdp.data.partition import OwnerData, load_partitions
+from flwr_jdp.data.partition import OwnerData
 from flwr_jdp.joint_dp.config import JobConfig, parse_config
-from flwr_jdp.models import build_model
+from flwr_jdp.joint_dp.seed_model import initial_model, owner_data
 from flwr_jdp.training import evaluate as test
 from flwr_jdp.training.augment import random_shift
 from flwr_jdp.training.plain import record_losses
@@ -31,28 +28,6 @@ def node_job_config(context: Context) -> JobConfig:
     cfg = parse_config(context.run_config)
     data_dir = context.node_config.get("data-dir")
     return dataclasses.replace(cfg, data_dir=str(data_dir)) if data_dir else cfg
-
-
-def owner_data(cfg: JobConfig) -> tuple[OwnerData, ...]:
-    """Every owner's partition for this configuration (loaded once per process)."""
-    return load_partitions(
-        cfg.dataset, cfg.data_dir, cfg.num_owners, cfg.classes_per_owner,
-        cfg.max_records, cfg.records_per_user, cfg.seed, cfg.partitioner,
-        cfg.validation_fraction, cfg.validation_source,
-    )
-
-
-@functools.lru_cache(maxsize=8)
-def _seeded_model(cfg: JobConfig) -> nn.Module:
-    shape, classes = dataset_shape(cfg.dataset)
-    return build_model(cfg.model, shape, classes, cfg.norm, cfg.seed)
-
-
-def initial_model(cfg: JobConfig) -> nn.Module:
-    """The seed CNN of the configured data set, seeded by ``seed``: a fresh copy of
-    a model built once per process (the ServerApp's ``initial_arrays`` are its
-    parameters)."""
-    return copy.deepcopy(_seeded_model(cfg))
 
 
 def loader(cfg: JobConfig, data: OwnerData, generator: torch.Generator) -> DataLoader:
