@@ -188,7 +188,8 @@ def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
 #: 8``) in force, so it is refused.
 PRIVACY_KEYS = ("personal-layers", "target-epsilon", "delta", "noise-multiplier", "clipping-norm",
                 "privacy-unit", "noise-placement", "accountant", "neighbouring", "records-per-user",
-                "user-batch-size", "secure-noise", "noise-seed", "max-skipped-rounds", "min-valid-fraction")
+                "user-batch-size", "secure-noise", "noise-seed", "max-skipped-rounds", "min-valid-fraction",
+                "dropout-tolerance", "colluding-owners")
 
 
 def refuse_misplaced(run_config: Mapping[str, Any], prefix: str, keys: Iterable[str]) -> None:

@@ -88,7 +88,7 @@ def comparable(config: dict[str, Any]) -> dict[str, Any]:
 
 
 METHODS = ("per-silo", "fedavg", "full-dp", "joint-dp")
-TRUST = ("local", "central")
+TRUST = ("local", "central", "distributed")
 COLUMNS = ("dataset", "owners", "method", "trust", "epsilon", "seeds", "acc_mean", "acc_std",
            "records_per_user", "personal_layers", "local_epochs", "rounds", "seconds", "coupling",
            "personal_learning_rate", "ema_decay", "user_batch_size", "finetune_epochs",
@@ -143,7 +143,7 @@ HPARAMS: dict[tuple[str, str], dict[str, Any]] = {
 def hparams_for(method: str, trust: str) -> dict[str, Any]:
     """The :data:`HPARAMS` entry of ``method`` under ``trust`` (methods without DP
     have one entry, whatever the trust model)."""
-    central = method in ("full-dp", "joint-dp") and trust == "central"
+    central = method in ("full-dp", "joint-dp") and trust in ("central", "distributed")
     return HPARAMS[(method, "central" if central else "local")]
 
 
@@ -511,8 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epsilon", type=_positive(float), default=1.0, help="target epsilon of each run")
     parser.add_argument("--seeds", type=_positive(int), default=3, help="seeds (runs) per cell")
     parser.add_argument("--quick", action="store_true", help="one seed")
-    parser.add_argument("--trust", choices=("local", "central"), default="local",
-                        help="noise placement: local (owners noise) or central (trusted server)")
+    parser.add_argument("--trust", choices=TRUST, default="local",
+                        help="noise placement: local (owners noise), central (trusted server) or "
+                             "distributed (owners' noise shares summed by secure aggregation)")
     parser.add_argument("--records-per-user", type=_positive(int), default=1, help="m/r (user unit if > 1)")
     parser.add_argument("--personal", default="fc1", help="personal layers: fc1, conv1, conv2, "
                         "conv1+fc1, conv2+fc1, conv1+conv2, conv1+conv2+fc1 (the paper's Table 2), "

@@ -22,10 +22,10 @@ the hooks below; it does not override :meth:`start`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
@@ -100,6 +100,12 @@ class AccountedStrategy(Strategy):
     def epsilon_spent(self) -> float:
         return float("nan")
 
+    def exchange_train(self, server_round: int, messages: list[Message], grid: Grid,
+                       timeout: float) -> Iterable[Message]:
+        """Send the round's train messages and collect the replies (a strategy whose
+        round is a multi-stage protocol, such as secure aggregation, runs it here)."""
+        return grid.send_and_receive(messages, timeout=timeout)
+
     # -------------------------------------------------------------- the loop
     def start(
         self,
@@ -133,7 +139,7 @@ class AccountedStrategy(Strategy):
             # Charge, save, release: the round's charge is on disk before any of its
             # messages leaves the server, so a crash from here on cannot un-charge it.
             self.save(arrays, "running")
-            replies = grid.send_and_receive(messages, timeout=timeout)
+            replies = self.exchange_train(rnd, messages, grid, timeout)
             new_arrays, train_metrics = self.aggregate_train(rnd, replies)
             if new_arrays is not None:
                 arrays = new_arrays

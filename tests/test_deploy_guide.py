@@ -22,6 +22,9 @@ One federation (a SuperLink and three SuperNodes) serves two runs:
    every charge made before the restart (epsilon not reset), with the owners' state
    on the nodes' disks;
 
+3. run D: distributed noise (the guide's SecAgg+ block) among the three SuperNodes
+   finishes ``finished:completed`` with all 6 owners in every round;
+
 then the guide's "Stop everything" block must leave none of the processes it started.
 The Ray block is not run (Ray on a shared machine is neither cheap nor safe): its
 options are checked instead.
@@ -52,7 +55,7 @@ TAGGED = re.compile(r"<!-- deploy-test: ([\w-]+) -->\s*\n```bash\n(.*?)\n```", r
 # every block of the guide, and the order in which this test runs them
 RUN_ORDER = ["settings", "env", "config", "superlink", "supernodes",
              "start-run", "kill-node", "wait", "restart-node",
-             "start-run", "restart-superlink", "restart-nodes", "resume", "state", "stop"]
+             "start-run", "restart-superlink", "restart-nodes", "resume", "state", "distributed", "stop"]
 NOT_RUN = {"ray"}
 
 
@@ -268,7 +271,7 @@ def test_the_deployment_guide_runs_as_written(shell, tmp_path):
         "PORT": str(_free_ports(1, taken)), "NODE_PORT": str(_free_ports(nodes, taken)),
         "RAY_PORT": str(_free_ports(2, taken)),
     })
-    timeouts = {"superlink": 300, "start-run": 300, "wait": 900, "kill-node": 900,
+    timeouts = {"superlink": 300, "start-run": 300, "wait": 900, "kill-node": 900, "distributed": 900,
                 "restart-superlink": 600, "resume": 900, "stop": 300}
     run = iter(RUN_ORDER)
 
@@ -343,6 +346,15 @@ def test_the_deployment_guide_runs_as_written(shell, tmp_path):
         own = _json(node / "owners-record-add-remove" / f"ledger-{owner}.json")
         assert len(own["rounds"]) >= 3 and own["epsilon"] <= 8.0
     assert f"personal-{0}.npz" in out
+
+    # ---- run D: distributed noise (SecAgg+ among the three SuperNodes)
+    out = step("distributed")
+    run_d, results_d = _run_line(out)
+    assert _status(out, run_d) == "finished:completed", out[-2000:]
+    assert "Distributed noise: each owner adds Skellam noise" in out
+    res = _json(results_d / "results.json")
+    assert res["status"] == "completed" and [h["valid_owners"] for h in res["history"]] == [6, 6]
+    print(f"run D done after {time.time() - t0:.0f}s")
     started = set(shell.seen)
     assert len(started) >= 1 + nodes
     step("stop")

@@ -56,13 +56,14 @@ class Mutant:
 
 LOCAL = ("test_local_dp_sgd_release_audit",)
 CENTRAL = ("test_central_grad_sum_release_audit",)
+DISTRIBUTED = ("test_distributed_secure_sum_release_audit",)
 MTL = ("test_dp_mtl_noisy_mean_audit",)
 WINSOR = ("test_winsorized_mean_audit",)
 SUBJECT = ("test_subject_level_silo_round_audit",)
 ALTMIN_TIE = ("test_priv_altmin_init_release_audit[near-tie]",)
 ALTMIN_DOMINANT = ("test_priv_altmin_init_release_audit[dominant]",)
-ALL_TESTS = LOCAL + CENTRAL + MTL + WINSOR + SUBJECT + ALTMIN_TIE + ALTMIN_DOMINANT
-ALL_AUDITS = ("local_dp_sgd", "central_grad_sum", "dp_mtl_mean", "winsorized_mean", "subject_level_silo_round",
+ALL_TESTS = LOCAL + CENTRAL + DISTRIBUTED + MTL + WINSOR + SUBJECT + ALTMIN_TIE + ALTMIN_DOMINANT
+ALL_AUDITS = ("local_dp_sgd", "central_grad_sum", "distributed_secure_sum", "dp_mtl_mean", "winsorized_mean", "subject_level_silo_round",
               "priv_altmin_init_near_tie", "priv_altmin_init_dominant")
 
 def code(snippet: str) -> str:
@@ -97,6 +98,20 @@ MUTANTS: tuple[Mutant, ...] = (
              code("sums = batch_sums(self.params, sample, self.clipping_norm)"),
              "sums = batch_sums(self.params, sample, self.clipping_norm * 10)"),),
            CENTRAL, ("central_grad_sum",)),
+    # (b') distributed: owners' rounded sums + Skellam shares, summed by SecAgg+
+    Mutant("distributed-share/10", "each owner's Skellam share has a tenth of its planned mu",
+           (("flwr_jdp/privacy/skellam.py",
+             code("return self.mu / (self.min_survivors - self.colluding)"),
+             "return self.mu / (self.min_survivors - self.colluding) / 10"),),
+           DISTRIBUTED, ("distributed_secure_sum",)),
+    Mutant("distributed-clip*10", "owners clip each record at 10 C and round within 10 delta_2, noise for C",
+           (("flwr_jdp/training/user_loop.py",
+             code("flat = self.encoder(clipped_unit_rows(self.params, sample, self.clipping_norm))"),
+             "flat = self.encoder(clipped_unit_rows(self.params, sample, self.clipping_norm * 10))"),
+            ("flwr_jdp/joint_dp/distributed.py",
+             code("rounded = round_units(scaled, self.plan.delta_2, self.rng)"),
+             "rounded = round_units(scaled, self.plan.delta_2 * 10, self.rng)"),),
+           DISTRIBUTED, ("distributed_secure_sum",)),
     # shared by every trainer: the mechanism itself
     Mutant("mechanism-noise/10", "NoisySumMechanism.sum_noise_scale (GaussianSumMechanism.sum_noise_std) is z S / 10",
            (("flwr_jdp/privacy/mechanisms.py",

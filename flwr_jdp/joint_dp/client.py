@@ -38,6 +38,10 @@ under the run config's ``jdp.*`` keys (:func:`flwr_jdp.joint_dp.config.namespace
    rate and step count, and every optimizer step applies the clipped, noised
    gradient (:mod:`flwr_jdp.training.user_loop`). Central noise: one Poisson batch's
    clipped per-unit gradient sum is the release (the server adds the noise).
+   Distributed noise: the same pass, each unit's clipped gradient rounded to integers
+   and the owner's Skellam share added (:mod:`flwr_jdp.joint_dp.distributed`); the
+   reply goes through Flower's SecAgg+ client mod, which :class:`JointDPClient`
+   puts first on the app.
 4. Owner unit: ``train_fn`` trains every parameter; the release is the shared
    update clipped to ``C`` (plus ``N(0, (z C)^2)`` under local noise).
 5. The reply carries ``arrays`` (the shared release only; never a personal value)
@@ -63,7 +67,8 @@ from torch.utils.data import DataLoader
 
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config
-from flwr_jdp.joint_dp.owner_guard import InstructionRefused
+from flwr_jdp.joint_dp.distributed import UnitEncoder, charge_distributed, encode_release, secure_sum_mod
+from flwr_jdp.joint_dp.owner_guard import Instruction, InstructionRefused
 from flwr_jdp.joint_dp.owner_store import (
     charge_owners,
     load_personal_arrays,
@@ -138,6 +143,7 @@ class JointDPClient:
         self.config_fn = config_fn or (lambda context: namespaced_config(context.run_config))
         self._key_prefix = "" if config_fn else f"{NAMESPACE}."  # how the user spells the keys
         app.query()(self._setup)
+        _add_secure_sum(app)
 
     # ------------------------------------------------------------------ set-up
     def config(self, context: Context) -> JobConfig:
@@ -359,11 +365,14 @@ class JointDPClient:
             release = self._owner_release(cfg, model, split, loader, train_fn, instruction.noise_multiplier,
                                           generator)
         else:
+            # distributed noise: checked and charged before any of the owner's data is read
+            encoder = (self._encoder(cfg, context, cfg_rec, o, model, split, instruction, generator, session)
+                       if cfg.placement is NoisePlacement.DISTRIBUTED else None)
             if split.personal and personal_fit_on(context, o, session) != digest:
                 self._fit_personal(model, split, lambda m: train_fn(m, loader))
                 set_arrays(model, shared)  # the release starts from the broadcast, whatever the fit did
             unit_of_record, num_units = self._units(cfg, context, size.num_records)
-            central = cfg.placement is NoisePlacement.CENTRAL
+            central = cfg.placement is not NoisePlacement.LOCAL  # one clipped sum, noised by others
             public = self._public(context, split)
             try:
                 with public_personal_swapped(model, split, public) as m, \
@@ -374,7 +383,8 @@ class JointDPClient:
                                          clipping_norm=cfg.clipping_norm, generator=generator,
                                          secure=cfg.secure_noise, capture=central,
                                          epochs=1 if central else cfg.local_epochs, train_fn=train_fn,
-                                         release_model=release_model) as (private, ploader, record):
+                                         release_model=release_model, unit_encoder=encoder) as (private, ploader,
+                                                                                                record):
                     _run_user_code(train_fn, private, ploader)
             except UserLoopError as err:
                 if err.structural:  # the same code breaks the same rule next round: charge nothing more
@@ -382,6 +392,11 @@ class JointDPClient:
                 raise
             if not central:  # the trainable (shared) parameters as the last DP step left them
                 release = {n: record.release[n].detach().cpu().numpy() for n in split.shared}
+            elif encoder is not None:  # the integer sum plus this owner's noise share, as field elements
+                sums = record.clipped_sum or [torch.zeros(p.shape, dtype=torch.float64)
+                                              for n, p in model.named_parameters() if n in split.shared]
+                fields = encode_release([t.detach().cpu().numpy() for t in sums], encoder.plan, encoder.rng)
+                release = dict(zip(split.shared, fields, strict=True))
             else:  # the clipped sum is in ``record`` once private_training has closed
                 sums = record.clipped_sum or [torch.zeros_like(p) for n, p in model.named_parameters()
                                               if n in split.shared]
@@ -393,11 +408,26 @@ class JointDPClient:
                                 "learning rate?)")
         save_personal_arrays(context, o, dict(get_arrays(model, split.personal)), session, fit_on=digest)
         dtype = {n: p.detach().cpu().numpy().dtype for n, p in model.named_parameters()}
+        if cfg.dp and cfg.placement is NoisePlacement.DISTRIBUTED and cfg.unit is not PrivacyUnit.OWNER:
+            dtype = {n: np.dtype(np.int64) for n in split.shared}  # field elements, summed by SecAgg+
         reply = RecordDict({
             "arrays": protocol.to_record({n: release[n].astype(dtype[n]) for n in split.shared}),
             "metrics": MetricRecord({protocol.NUM_EXAMPLES: size.num_records}),
         })
         return Message(reply, reply_to=msg)
+
+    @staticmethod
+    def _encoder(cfg: JobConfig, context: Context, cfg_rec: ConfigRecord, owner: int, model: nn.Module,
+                 split: ParamSplit, instruction: Instruction, generator: torch.Generator,
+                 session: str) -> UnitEncoder:
+        """Distributed noise: check and charge the instruction against the owner's own plan
+        (before any of its data is read), and the encoder of the round's units."""
+        if protocol.SCALE not in cfg_rec:
+            raise InstructionRefused("the train instruction lacks the scale of distributed noise")
+        params = dict(model.named_parameters())
+        dim = int(sum(params[n].numel() for n in split.shared))
+        plan = charge_distributed(cfg, context, owner, instruction, dim, float(cfg_rec[protocol.SCALE]), session)
+        return UnitEncoder(plan, numpy_rng(int(torch.randint(0, 2**62, (1,), generator=generator))))
 
     @staticmethod
     def _owner_release(cfg: JobConfig, model: nn.Module, split: ParamSplit, loader: DataLoader,
@@ -416,6 +446,17 @@ class JointDPClient:
         if not math.isfinite(float(sum(float(np.sum(d)) for d in delta))):
             raise UserLoopError("the owner's update is non-finite (a diverging or non-finite loss?)")
         return dict(zip(split.shared, delta, strict=True))
+
+
+def _add_secure_sum(app: ClientApp) -> None:
+    """Put :func:`~flwr_jdp.joint_dp.distributed.secure_sum_mod` first on ``app``, so that
+    ``noise-placement = "distributed"`` needs no change to the user's ClientApp: it
+    passes every other message through. Handlers the app registered before
+    JointDPClient was created do not get it; their secure-aggregation messages fail
+    with Flower's own error (the README creates JointDPClient first)."""
+    mods = getattr(app, "_mods", None)
+    if isinstance(mods, list) and secure_sum_mod not in mods:
+        mods.insert(0, secure_sum_mod)
 
 
 def _run_user_code(train_fn: TrainFn, model: nn.Module, loader: DataLoader) -> None:

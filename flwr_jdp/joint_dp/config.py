@@ -99,6 +99,13 @@ class JobConfig:
     #: replaced, the joint-DP paper's definition). The ledger and the calibration use it.
     neighbouring: str = "add-remove"
     fraction_train: float = 1.0
+    #: Distributed noise: the fraction of a round's owners that may drop out (after the
+    #: set-up of secure aggregation) while the round is still released; every owner's
+    #: noise share is planned for the fewest survivors, ``ceil((1 - f) n)``.
+    dropout_tolerance: float = 0.1
+    #: Distributed noise: owners that may pool their noise shares with the server; the
+    #: noise the other survivors bring still meets the target.
+    colluding_owners: int = 0
     min_valid_fraction: float = 0.5
     round_timeout: float = 3600.0
     #: Rounds in a row with no usable reply (every owner dropped, or the round
@@ -241,6 +248,24 @@ def validate(cfg: JobConfig) -> None:
             "cannot be seeded; set noise-seed = -1 or secure-noise = false"
         )
     need(finite("fraction_train") and 0 < cfg.fraction_train <= 1, "fraction_train", "in (0, 1]")
+    need(finite("dropout_tolerance") and 0 <= cfg.dropout_tolerance < 0.5, "dropout_tolerance",
+         "in [0, 0.5) (the fraction of a round's owners that may drop out; secure aggregation "
+         "needs a majority)")
+    need(cfg.colluding_owners >= 0, "colluding_owners", ">= 0 owners that may pool their noise shares")
+    if cfg.dp and cfg.placement is NoisePlacement.DISTRIBUTED:
+        need(cfg.privacy_unit in ("record", "user"), "noise_placement",
+             "'local' or 'central' for privacy-unit='owner' ('distributed' secures the central protocol's "
+             "one step of all owners' Poisson samples: record or user unit)")
+        need(cfg.neighbouring == "add-remove", "neighbouring",
+             "'add-remove' with noise-placement='distributed' (its Renyi accounting of Poisson-sampled "
+             "Skellam releases has no replace-one bound)")
+        need(cfg.num_owners >= 2, "num_owners",
+             ">= 2 with noise-placement='distributed': every owner plans its noise share from it")
+        survivors = minimum_survivors(cfg.num_owners, cfg.dropout_tolerance)
+        need(survivors - cfg.colluding_owners >= 1, "colluding_owners",
+             f"< {survivors} (the fewest survivors of a round, from num-owners and dropout-tolerance)")
+        need(not cfg.secure_noise, "secure_noise",
+             "false with noise-placement='distributed' (its integer noise comes from each owner's generator)")
     need(finite("min_valid_fraction") and 0 <= cfg.min_valid_fraction <= 1,
          "min_valid_fraction", "in [0, 1]")
     need(finite("round_timeout") and cfg.round_timeout > 0, "round_timeout",
@@ -278,6 +303,11 @@ def validate(cfg: JobConfig) -> None:
          "1.0 unless privacy-unit='owner' (owner sampling amplifies only owner-level privacy)")
 
 
+def minimum_survivors(num_owners: int, dropout_tolerance: float) -> int:
+    """The fewest owners of a round whose vectors the server unmasks (distributed noise)."""
+    return max(1, math.ceil((1.0 - dropout_tolerance) * num_owners - 1e-9))
+
+
 def samples(cfg: JobConfig) -> bool:
     """True when the run's releases may be Poisson-sampled: the record and user units
     (DP-SGD batches, or the server's sample), and the owner unit with central noise
@@ -285,7 +315,7 @@ def samples(cfg: JobConfig) -> bool:
     with every owner every round, releases unsampled Gaussians."""
     if cfg.privacy_unit != "owner":
         return True
-    return cfg.noise_placement == "central" and cfg.fraction_train < 1
+    return cfg.noise_placement != "local" and cfg.fraction_train < 1
 
 
 # ------------------------------------------------ other apps' dataclass configs
@@ -370,8 +400,10 @@ def dropin_record(cfg: JobConfig) -> dict[str, Any]:
     use (``learning-rate``: central noise, record or user unit; ``server-learning-rate``:
     owner unit)."""
     unused = set(OWN_APP_KEYS)
-    if not (cfg.dp and cfg.unit is not PrivacyUnit.OWNER and cfg.placement is NoisePlacement.CENTRAL):
+    if not (cfg.dp and cfg.unit is not PrivacyUnit.OWNER and cfg.placement is not NoisePlacement.LOCAL):
         unused.add("learning-rate")
+    if not (cfg.dp and cfg.placement is NoisePlacement.DISTRIBUTED):
+        unused.update(("dropout-tolerance", "colluding-owners"))
     if not (cfg.dp and cfg.unit is PrivacyUnit.OWNER):
         unused.add("server-learning-rate")
     return {k: v for k, v in cfg.to_dict().items() if k not in unused}

@@ -28,6 +28,7 @@ SAMPLE_RATES = "sample-rates"
 STEPS = "steps"
 NOISE_MULTIPLIER = "noise-multiplier"
 SESSION = "session"  # id of a training session (kept across ServerApp restarts)
+SCALE = "scale"  # distributed noise: integers per unit of gradient (gamma)
 
 # Metric keys.
 NUM_EXAMPLES = "num-examples"
@@ -54,6 +55,7 @@ METRICS = "metrics"
 KIND_PARAMS = "params"  # updated shared parameters (DP-SGD done locally, or no DP)
 KIND_GRAD_SUM = "grad-sum"  # sum of clipped per-unit gradients (central noise)
 KIND_DELTA = "delta"  # clipped (and, locally, noised) update of the shared parameters
+KIND_SECURE_SUM = "secure-sum"  # rounded clipped sum plus a noise share, modulo 2**31, via SecAgg+
 
 
 def owner_key(owner_id: int) -> str:

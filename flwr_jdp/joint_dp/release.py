@@ -39,6 +39,8 @@ def release_kind(cfg: JobConfig) -> str:
         return protocol.KIND_DELTA
     if cfg.placement is NoisePlacement.CENTRAL:
         return protocol.KIND_GRAD_SUM
+    if cfg.placement is NoisePlacement.DISTRIBUTED:
+        return protocol.KIND_SECURE_SUM
     return protocol.KIND_PARAMS
 
 

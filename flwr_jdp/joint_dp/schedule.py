@@ -48,6 +48,10 @@ class Schedule:
     owner_steps: dict[int, int]
     server_rate: float
     num_units: int  # total protected units (for central denominators)
+    #: Distributed noise: the number of shared parameters and the scale (gamma) of the
+    #: integer encoding, fixed at set-up (:mod:`flwr_jdp.privacy.skellam`).
+    dim: int = 0
+    scale: float = 0.0
 
     def round_events(self, cfg: JobConfig, z: float, selected: list[int]) -> dict[str, dpa.DpEvent]:
         """Scope -> event of one round in which ``selected`` owners train."""
@@ -55,6 +59,12 @@ class Schedule:
             return {}
         if cfg.placement is NoisePlacement.CENTRAL:
             return {SERVER_SCOPE: ev.dp_sgd(z, self.server_rate, 1)}
+        if cfg.placement is NoisePlacement.DISTRIBUTED:
+            from flwr_jdp.joint_dp.distributed import owner_plan
+
+            if not self.dim:
+                raise ValueError("distributed noise: the schedule has no dimension yet (set at set-up)")
+            return {SERVER_SCOPE: owner_plan(cfg, z, self.dim, self.scale).event(self.server_rate)}
         if cfg.unit is PrivacyUnit.OWNER:
             return {owner_scope(o): ev.gaussian(z) for o in selected}
         return {

@@ -25,6 +25,8 @@ Results are also cached per (event, delta, backend).
 from __future__ import annotations
 
 import functools
+
+import attr
 import json
 import math
 
@@ -66,6 +68,9 @@ def as_add_remove(event: dpa.DpEvent) -> dpa.DpEvent:
         return dpa.GaussianDpEvent(event.noise_multiplier / 2.0)
     if isinstance(event, dpa.LaplaceDpEvent):
         return dpa.LaplaceDpEvent(event.noise_multiplier / 2.0)
+    if type(event).__name__ == "SkellamDpEvent":  # the integer sum moves by twice as much
+        return attr.evolve(event, l2_sensitivity=2 * event.l2_sensitivity,
+                           l1_sensitivity=2 * event.l1_sensitivity)
     if isinstance(event, dpa.SelfComposedDpEvent):
         return dpa.SelfComposedDpEvent(as_add_remove(event.event), event.count)
     if isinstance(event, dpa.ComposedDpEvent):
@@ -89,7 +94,7 @@ def epsilon(event: dpa.DpEvent, delta: float, accountant: str = "pld",
         sampled = "PoissonSampledDpEvent" in ev.canonical(event)
         if not sampled:
             relation = "add-remove"
-        elif accountant == "rdp":
+        elif accountant == "rdp" or "SkellamDpEvent" in ev.canonical(event):
             raise ValueError("RDP of Poisson-sampled releases under replace-one is not "
                              "supported; use the pld accountant")
     return _cached_epsilon(ev.canonical(event), float(delta), accountant, relation,
@@ -139,7 +144,7 @@ def _cached_epsilon(event_json: str, delta: float, accountant: str,
                     relation: str = "add-remove",
                     discretization: float = PLD_DISCRETIZATION) -> float:
     event = ev.from_dict(json.loads(event_json))
-    if accountant == "rdp":
+    if accountant == "rdp" or "SkellamDpEvent" in event_json:  # no PLD for it: RDP (conservative)
         return rdp_epsilon(event, delta)
     total = None
     for base, count in sorted(base_counts(event).items()):

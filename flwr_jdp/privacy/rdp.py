@@ -70,6 +70,11 @@ def _base_rdp(event_json: str) -> np.ndarray:
 
 
 def _base_rdp_at(event: dpa.DpEvent, orders_arr: np.ndarray) -> np.ndarray:
+    from .skellam import event_rdp  # the distributed mechanism's own bound
+
+    skellam = event_rdp(event, orders_arr)
+    if skellam is not None:
+        return skellam
     acc = RdpAccountant(list(orders_arr))
     # dp-accounting logs a warning (through absl) for every fractional order whose
     # series does not converge and excludes that order (its RDP is inf there); the

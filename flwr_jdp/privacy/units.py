@@ -14,6 +14,10 @@ A *placement* says who adds the noise:
 - ``local``: each owner noises its own release (the server is not trusted).
 - ``central``: owners send clipped quantities to a trusted aggregator that adds
   Gaussian noise once to their sum (the billboard model).
+- ``distributed``: each owner adds a share of integer (Skellam) noise to its clipped,
+  rounded sum, and secure aggregation (Flower's SecAgg+) reveals only the sum of all
+  owners' vectors to the server, which carries the whole noise
+  (:mod:`flwr_jdp.privacy.skellam`).
 """
 
 from __future__ import annotations
@@ -35,3 +39,4 @@ class NoisePlacement(StrEnum):
 
     LOCAL = "local"
     CENTRAL = "central"
+    DISTRIBUTED = "distributed"

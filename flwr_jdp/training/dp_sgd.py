@@ -142,6 +142,14 @@ def clipped_unit_sum(
     A linear layer's weight may hold its per-sample gradients factored
     (:class:`~flwr_jdp.training.per_sample.OuterProducts`): same norms, same sums.
     """
+    per_sample, weights, _ = _clipping_weights(shared, batch, clipping_norm)
+    return [_weighted_sum(weights, g).reshape(p.shape) for g, p in zip(per_sample, shared, strict=False)]
+
+
+def _clipping_weights(shared: list[nn.Parameter], batch: UnitBatch, clipping_norm: float) -> tuple[list, torch.Tensor,
+                                                                                                   torch.Tensor]:
+    """(per-record gradients as rows, non-finite records zeroed; each record's weight,
+    its clipping factor over its unit's record count; each record's unit)."""
     n = len(batch.records)
     per_sample = [_rows(p.grad_sample, n) for p in shared]
     norms = torch.linalg.vector_norm(torch.stack([_row_norms(g) for g in per_sample]), dim=0)
@@ -152,8 +160,24 @@ def clipped_unit_sum(
     factors = clip_coefficients(norms, clipping_norm)
     units = batch.units.to(factors.device)  # the sample is drawn on the CPU; gradients may be on a GPU
     counts = torch.bincount(units, minlength=batch.num_units).clamp(min=1).to(factors.dtype)
-    weights = factors / counts[units]  # clip, then average within the unit
-    return [_weighted_sum(weights, g).reshape(p.shape) for g, p in zip(per_sample, shared, strict=False)]
+    return per_sample, factors / counts[units], units  # clip, then average within the unit
+
+
+def clipped_unit_rows(shared: list[nn.Parameter], batch: UnitBatch, clipping_norm: float) -> torch.Tensor:
+    """Each unit's term of :func:`clipped_unit_sum` as one row (units x parameters,
+    float64, the shared parameters flattened in order): the rows sum to the clipped
+    sum, and each row has L2 norm <= ``clipping_norm`` (distributed noise rounds them
+    one by one)."""
+    d = sum(p.numel() for p in shared)
+    n = len(batch.records)
+    if n == 0:
+        return torch.zeros((0, d), dtype=torch.float64)
+    per_sample, weights, units = _clipping_weights(shared, batch, clipping_norm)
+    dense = torch.cat([(g.materialize() if hasattr(g, "materialize") else g)
+                       .reshape(n, -1).to(torch.float64) for g in per_sample], dim=1)
+    rows = torch.zeros((batch.num_units, d), dtype=torch.float64, device=dense.device)
+    rows.index_add_(0, units, dense * weights.to(torch.float64)[:, None])
+    return rows
 
 
 def _rows(grad_sample: torch.Tensor | per_sample.OuterProducts, n: int):  # noqa: ANN202

@@ -76,7 +76,7 @@ from torch.utils.data import DataLoader
 from .. import import_opacus_quietly
 from ..privacy.mechanisms import GaussianSumMechanism
 from . import per_sample
-from .dp_sgd import UnitBatch, _draw_batch, batch_sums
+from .dp_sgd import UnitBatch, _draw_batch, batch_sums, clipped_unit_rows
 
 
 class UserLoopError(RuntimeError):
@@ -358,6 +358,9 @@ class _DPPass:
         self.expected = self._values()
         self.engine: per_sample.FuncPerSample | None = None
         self.gsm = None
+        #: Distributed noise: turns a batch's clipped per-unit rows into the integer sum
+        #: that is captured instead of the clipped sum (:class:`~flwr_jdp.joint_dp.distributed.UnitEncoder`).
+        self.encoder: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.user_optimizer: torch.optim.Optimizer | None = None
         self.first_settings: list[dict] = []
         self.optimizer: torch.optim.Optimizer | None = None  # the DP steps' own copy of it
@@ -713,7 +716,12 @@ class _DPPass:
                 p.grad_sample = None
             self.steps_taken += 1
             return
-        sums = batch_sums(self.params, sample, self.clipping_norm)
+        if self.encoder is not None:
+            flat = self.encoder(clipped_unit_rows(self.params, sample, self.clipping_norm))
+            sums = [part.reshape(p.shape) for part, p in zip(torch.split(flat, [p.numel() for p in self.params]),
+                                                               self.params, strict=True)]
+        else:
+            sums = batch_sums(self.params, sample, self.clipping_norm)
         for p in self.params:
             p.grad_sample = None
         if self.capture:
@@ -1089,6 +1097,7 @@ def private_training(
     epochs: int = 1,
     train_fn: Callable[[nn.Module, DataLoader], object] | None = None,
     release_model: nn.Module | None = None,
+    unit_encoder: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[tuple[nn.Module, PoissonLoader, PrivateRound]]:
     """Yield ``(private model, private loader, record)`` for the user's train function.
 
@@ -1105,7 +1114,12 @@ def private_training(
     ``model``) with the dry run's loss and optimizer, paced by the train function
     in the block; its exceptions are set aside and the record always holds the
     release. Without it the block's train function is checked as it runs (a rule it
-    breaks raises :class:`UserLoopError`, here or at its step)."""
+    breaks raises :class:`UserLoopError`, here or at its step).
+
+    ``unit_encoder`` (distributed noise, with ``capture``): the captured sum is the
+    encoder's integer sum of each batch's clipped per-unit rows instead."""
+    if unit_encoder is not None and not capture:
+        raise ValueError("unit_encoder needs capture=True")
     if not any(p.requires_grad for p in model.parameters()):
         raise UserLoopError("no trainable parameter to train privately")
     # the noise has its own stream, seeded from the round's generator: the k-th step's noise
@@ -1125,6 +1139,7 @@ def private_training(
         dp_pass: _DPPass = _ReleasePass(model, release, private_loader, clipping_norm, mech, noise, capture, plan)
     else:
         dp_pass = _DPPass(model, private_loader, clipping_norm, mech, noise, capture)
+    dp_pass.encoder = unit_encoder
     record = PrivateRound(steps_planned=int(steps))
     private = PrivateModule(model, dp_pass)
     handles = [register_optimizer_step_pre_hook(dp_pass.before_step),

@@ -12,11 +12,15 @@ from logging import WARNING
 import numpy as np
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, FedAvgM, Strategy
 from flwr.serverapp.strategy.fedopt import FedOpt
 
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.config import ConfigError
+from flwr_jdp.joint_dp.config import ConfigError, minimum_survivors
+from flwr_jdp.joint_dp.distributed import owner_plan
+from flwr_jdp.privacy.skellam import MODULUS, SkellamPlan, from_field
+from flwr_jdp.strategies.joint_dp.secagg import SecureSum
 from flwr_jdp.joint_dp.schedule import units_of
 from flwr_jdp.joint_dp.validation import NORM_SLACK, max_sampled_units, validate_replies
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, reclipped_sum
@@ -41,6 +45,8 @@ class Aggregation:
         still counts as valid (``valid-owners``, of which ``zeroed-owners``), also for
         ``min-valid-fraction``, so neither the sum's denominator (the expected count)
         nor the decision to skip depends on its values."""
+        if self.kind == protocol.KIND_SECURE_SUM:
+            return self._aggregate_secure(server_round)
         selected = [o for owners in self._requested.values() for o in owners]
         central = self.cfg.dp and (self.kind == protocol.KIND_GRAD_SUM or (
             self.kind == protocol.KIND_DELTA and self.cfg.placement is NoisePlacement.CENTRAL))
@@ -71,6 +77,61 @@ class Aggregation:
             self.last_round_info["skipped"] = True
             return None, MetricRecord(info)
         new = self._aggregate(valid.arrays, valid.weights, server_round)
+        released = protocol.to_record(dict(zip(self.spec, new, strict=False)))
+        return self._post_process(server_round, released), MetricRecord(info)
+
+    def exchange_train(self, server_round: int, messages: list[Message], grid: Grid,
+                       timeout: float) -> Iterable[Message]:
+        """Distributed noise: the round is one secure sum (:class:`SecureSum`) of the
+        nodes' vectors; the server never holds a node's vector unmasked."""
+        if self.kind != protocol.KIND_SECURE_SUM:
+            return super().exchange_train(server_round, messages, grid, timeout)
+        contents = {m.metadata.dst_node_id: m.content for m in messages}
+        plan = self.secure_plan()
+        hosted = {n: len(owners) for n, owners in self._requested.items()}
+
+        def proceed(survivors: list[int]) -> str | None:
+            alive = sum(hosted[n] for n in survivors)
+            if alive < plan.min_survivors:
+                return (f"{alive} owners sent their vectors, fewer than the {plan.min_survivors} the noise was "
+                        f"planned for (dropout-tolerance={self.cfg.dropout_tolerance}); not unmasked")
+            return None
+
+        nodes_needed = minimum_survivors(len(contents), self.cfg.dropout_tolerance)
+        self._secure = SecureSum(MODULUS, timeout).run(grid, contents, nodes_needed, str(server_round), proceed)
+        return []
+
+    def secure_plan(self) -> SkellamPlan:
+        """The run's Skellam plan (distributed noise), as every owner computes it."""
+        assert self.schedule is not None
+        return owner_plan(self.cfg, self.noise_multiplier, self.schedule.dim, self.schedule.scale)
+
+    def _aggregate_secure(self, server_round: int) -> tuple[ArrayRecord | None, MetricRecord]:
+        """Decode the secure sum: centred integers / scale is the noisy clipped sum; it
+        is divided by the expected batch and stepped as central noise's is."""
+        res = self._secure
+        owners_of = self._requested
+        alive = [o for n in res.survivors for o in owners_of.get(n, [])]
+        for nid, reason in sorted(res.dropped.items()):
+            log(WARNING, "round %d: node %d (owners %s) left the secure sum: %s", server_round, nid,
+                owners_of.get(nid, [])[:5], reason)
+        self.last_drop_reasons = list(res.dropped.values())
+        info = {"valid-owners": len(alive) if res.total is not None else 0,
+                "dropped-owners": sum(len(o) for o in owners_of.values()) - len(alive), "zeroed-owners": 0}
+        self.last_round_info = dict(info)
+        if res.total is None:
+            log(WARNING, "round %d skipped: %s; its privacy cost is still charged", server_round, res.stopped)
+            self.last_round_info["skipped"] = True
+            return None, MetricRecord(info)
+        assert self.schedule is not None
+        parts = res.total[1:]  # SecAgg+'s first entry is its weight factor
+        shapes = [tuple(spec.shape) for spec in self.spec.values()]
+        if [tuple(a.shape) for a in parts] != shapes:
+            raise RuntimeError(f"the secure sum's shapes {[a.shape for a in parts][:3]} are not the model's")
+        expected = self.schedule.server_rate * self.schedule.num_units
+        current = [self._current[k].numpy() for k in self.spec]
+        new = [(c - self.cfg.learning_rate * (from_field(a).astype(np.float64) / self.schedule.scale) / expected)
+               .astype(c.dtype) for c, a in zip(current, parts, strict=True)]
         released = protocol.to_record(dict(zip(self.spec, new, strict=False)))
         return self._post_process(server_round, released), MetricRecord(info)
 

@@ -5,15 +5,19 @@ owners it hosts and their sizes, check each node's model against ``initial_array
 
 from __future__ import annotations
 
+import dataclasses
 import time
+
+import numpy as np
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError
-from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
-from flwr_jdp.joint_dp.validation import ArraySpec
+from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule, units_of
+from flwr_jdp.joint_dp.validation import ArraySpec, max_sampled_units
+from flwr_jdp.privacy.skellam import choose_scale
 from flwr_jdp.node_query import query_nodes
 from flwr_jdp.params import split_names
 
@@ -105,8 +109,23 @@ class NodeSetup:
                 f"{shown} ({len(answered)} nodes connected, all answered)"
             )
         self.schedule = build_schedule(self.cfg, self.sizes)
+        if self.kind == protocol.KIND_SECURE_SUM:
+            self._plan_secure_sum(grid)
         self._calibrate()
         return protocol.to_record({n: initial_arrays[n].numpy() for n in self.spec})
+
+    def _plan_secure_sum(self, grid: Grid) -> None:
+        """Distributed noise: the encoding's dimension and scale, fixed before any release."""
+        hosts = set(self.owner_node.values())
+        if len(hosts) < 2:
+            raise ConfigError(f"run-config key '{self._key('noise-placement')}'='distributed' needs at least 2 "
+                              f"nodes for secure aggregation; {len(hosts)} node hosts every owner")
+        assert self.schedule is not None
+        dim = int(sum(int(np.prod(spec.shape)) for spec in self.spec.values()))
+        rate = self.schedule.server_rate
+        self.max_units = float(sum(max_sampled_units(units_of(self.cfg, s), rate) for s in self.sizes.values()))
+        scale = choose_scale(self.cfg.clipping_norm, self.max_units, dim)
+        self.schedule = dataclasses.replace(self.schedule, dim=dim, scale=scale)
 
     def _wait_for_nodes(self, grid: Grid, deadline: float, poll: float = 0.1) -> None:
         """Before the first query, let connecting nodes arrive: wait until as many

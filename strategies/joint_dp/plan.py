@@ -16,6 +16,7 @@ from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError
 from flwr_jdp.joint_dp.schedule import calibrate_schedule
+from flwr_jdp.privacy.skellam import wrap_probability
 from flwr_jdp.privacy.units import PrivacyUnit
 from flwr_jdp.strategies.joint_dp.aggregation import _DP_WRAPPER
 
@@ -32,7 +33,14 @@ class ReleasePlan:
             self.noise_multiplier = calibrate_schedule(self.cfg, self.schedule)
             log(INFO, "Calibrated noise multiplier %.4f for epsilon=%.3g at delta=%.3g over "
                 "%d rounds (%s accountant)", self.noise_multiplier, self.cfg.target_epsilon,
-                self.cfg.delta, self.cfg.num_rounds, self.cfg.accountant)
+                self.cfg.delta, self.cfg.num_rounds,
+                "rdp, Skellam" if self.kind == protocol.KIND_SECURE_SUM else self.cfg.accountant)
+        if self.kind == protocol.KIND_SECURE_SUM:
+            plan = self.secure_plan()
+            log(INFO, "Distributed noise: each owner adds Skellam noise with mu=%.4g to its sum rounded at "
+                "scale %.4g; planned for >= %d of %d owners surviving, %d colluding; wrap-around probability "
+                "<= %.1e per round", plan.share_mu, plan.scale, plan.min_survivors, plan.num_owners,
+                plan.colluding, wrap_probability(plan, self.max_units))
 
     def _select(self) -> list[int]:
         owners = sorted(self.owner_node)
@@ -70,6 +78,10 @@ class ReleasePlan:
             if self.kind == protocol.KIND_GRAD_SUM:
                 rec[protocol.SAMPLE_RATES] = [float(self.schedule.server_rate)] * len(owners)
                 rec[protocol.STEPS] = [1] * len(owners)
+            if self.kind == protocol.KIND_SECURE_SUM:
+                rec[protocol.SAMPLE_RATES] = [float(self.schedule.server_rate)] * len(owners)
+                rec[protocol.STEPS] = [1] * len(owners)
+                rec[protocol.SCALE] = float(self.schedule.scale)
             rec[protocol.NOISE_MULTIPLIER] = float(self.noise_multiplier)
             rec[protocol.SESSION] = self.session
             content = RecordDict({protocol.SHARED: arrays, protocol.CONFIG: rec})

@@ -67,7 +67,8 @@ class Results:
         log(INFO, "\t│\t├── clipping norm %.4g, noise multiplier %.4g", cfg.clipping_norm,
             self.noise_multiplier)
         log(INFO, "\t│\t└── budget epsilon=%.4g at delta=%.3g (%s)", cfg.target_epsilon,
-            cfg.delta, cfg.accountant)
+            cfg.delta, "rdp: the Skellam mechanism's bound" if self.kind == protocol.KIND_SECURE_SUM
+            else cfg.accountant)
 
     def save(self, arrays: ArrayRecord, status: str) -> None:
         self._ckpt.save(arrays, self.ledger, self.history, self.noise_multiplier, status,

@@ -12,6 +12,11 @@ Noise placement
     ``central``: owners send clipped quantities; the server (trusted aggregator)
     adds Gaussian noise once to their sum and divides by the expected count. The
     ledger has one ``server`` scope.
+    ``distributed``: the central protocol's step without trusting the server: owners
+    round their clipped sums to integers and add Skellam noise shares; the round is
+    one SecAgg+ exchange (:mod:`~flwr_jdp.strategies.joint_dp.secagg`), and the server
+    decodes only the sum. One ``server`` scope with the Skellam event
+    (:mod:`flwr_jdp.privacy.skellam`).
 
 Accounting is conservative: charge, save, release. A round's events are recorded
 and the ledger written to disk *before* any message of the round leaves the server,
@@ -172,11 +177,11 @@ class JointDP(NodeSetup, ReleasePlan, Aggregation, Results, AccountedStrategy):
         an exception, so Flower marks the run ``finished:failed``)."""
         cfg = self.cfg
         if num_rounds is not None and num_rounds != cfg.num_rounds:
-            if cfg.dp and cfg.placement is NoisePlacement.LOCAL:
+            if cfg.dp and cfg.placement is not NoisePlacement.CENTRAL:
                 raise ConfigError(
                     f"start(num_rounds={num_rounds}) differs from run-config key '{self._key('num-rounds')}'="
                     f"{cfg.num_rounds}, which every owner uses to check the noise it adds under "
-                    f"local noise: set {self._key('num-rounds')} = {num_rounds} in the run config, or pass "
+                    f"{cfg.noise_placement} noise: set {self._key('num-rounds')} = {num_rounds} in the run config, or pass "
                     f"num_rounds=context.run_config[\"{self._key('num-rounds')}\"]")
             if num_rounds < 1:
                 raise ConfigError(f"start(num_rounds={num_rounds}): must be >= 1")
