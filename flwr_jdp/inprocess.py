@@ -35,6 +35,9 @@ class InProcessGrid(Grid):
         used to inject malformed replies and failures.
     node_config : dict, optional
         Extra node-config entries of every node (e.g. ``state-dir``).
+    node_configs : dict, optional
+        Extra node-config entries of single nodes, by partition id (e.g.
+        ``{1: {"max-epsilon": 1.0}}``), over ``node_config``.
     errors_as_replies : bool
         As Flower's SuperNode does: an exception the ClientApp raises becomes an
         error reply naming it (default: it propagates, so a test sees its traceback).
@@ -42,7 +45,7 @@ class InProcessGrid(Grid):
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict[str, Any],
                  fault: Fault | None = None, node_config: dict[str, Any] | None = None,
-                 errors_as_replies: bool = False) -> None:
+                 errors_as_replies: bool = False, node_configs: dict[int, dict[str, Any]] | None = None) -> None:
         self.client_app = client_app
         self.fault = fault
         self.errors_as_replies = errors_as_replies
@@ -50,7 +53,7 @@ class InProcessGrid(Grid):
         self.contexts = {
             1000 + i: Context(run_id=1, node_id=1000 + i,
                               node_config={"partition-id": i, "num-partitions": num_nodes,
-                                           **(node_config or {})},
+                                           **(node_config or {}), **(node_configs or {}).get(i, {})},
                               state=RecordDict(), run_config=dict(run_config))
             for i in range(num_nodes)
         }

@@ -136,8 +136,11 @@ def test_owners_stop_at_their_budget_when_the_server_asks_for_more(run_config, t
         assert len(state["rounds"]) == 2 and state["epsilon"] <= two_rounds * (1 + 1e-6)
 
 
-def test_a_node_cap_below_the_run_target_refuses_the_run(run_config):
-    """Node config ``max-epsilon`` caps the owner's budget below the run's target."""
+def test_a_node_cap_below_the_run_target_refuses_a_server_that_ignores_it(run_config, monkeypatch):
+    """Node config ``max-epsilon`` caps the owner's budget below the run's target. The
+    honest server plans for the cap it is told at set-up (``tests/test_owner_budgets.py``);
+    a server that ignores it and sends the run's multiplier is refused."""
+    monkeypatch.setattr(JointDP, "_plan_owner_budgets", lambda self: None)
     run_config.update({"noise-multiplier": 0.0, "target-epsilon": 8.0})
     _, grid = _run(run_config, lambda *_: None, node_config={"max-epsilon": 1.0})
     replies = _train_replies(grid)

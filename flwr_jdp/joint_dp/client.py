@@ -66,6 +66,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.budgets import node_max_epsilon
 from flwr_jdp.joint_dp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config
 from flwr_jdp.joint_dp.distributed import UnitEncoder, charge_distributed, encode_release, secure_sum_mod
 from flwr_jdp.joint_dp.owner_guard import Instruction, InstructionRefused
@@ -175,8 +176,9 @@ class JointDPClient:
         return OwnerSize(n, users)
 
     def _setup(self, msg: Message, context: Context) -> Message:
-        """Report this node's owner, its data size and the model's parameter names
-        and shapes; keep the public initial personal values the server sent."""
+        """Report this node's owner, its data size, its node's cap (node config
+        ``max-epsilon``) and the model's parameter names and shapes; keep the public
+        initial personal values the server sent."""
         try:
             cfg = self.config(context)
             size = self._size(cfg, context, self.train_data(context))
@@ -187,6 +189,7 @@ class JointDPClient:
                                   "argument, or the Context (e.g. lambda: Net(num_classes=10))") from None
             self._check_buffers(cfg, model)
             names, shapes = _spec_of(model)
+            cap = node_max_epsilon(context.node_config)
         except (ConfigError, UserLoopError, ValueError) as err:
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
         public = msg.content.get(protocol.PUBLIC_PERSONAL)
@@ -196,6 +199,7 @@ class JointDPClient:
             protocol.OWNER_IDS: [owner_id(context)],
             protocol.NUM_RECORDS: [size.num_records],
             protocol.NUM_USERS: [size.num_users],
+            protocol.MAX_EPSILON: [cap or 0.0],
             protocol.PARAM_NAMES: names,
             protocol.PARAM_SHAPES: shapes,
         })
@@ -486,6 +490,8 @@ def _merged_setup(msg: Message, replies: list[tuple[int, Message]]) -> Message:
     if errors:
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="; ".join(errors)), reply_to=msg)
     merged: dict[str, list] = {protocol.OWNER_IDS: [], protocol.NUM_RECORDS: [], protocol.NUM_USERS: []}
+    if all(protocol.MAX_EPSILON in r.content[protocol.SETUP] for _, r in replies):
+        merged[protocol.MAX_EPSILON] = []
     rec = ConfigRecord()
     for _, reply in replies:
         one = reply.content[protocol.SETUP]

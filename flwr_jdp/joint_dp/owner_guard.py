@@ -10,7 +10,9 @@ accept from what it knows itself, before any data is touched:
   epsilon, delta, accountant, and ``noise-multiplier`` when it is fixed),
 - its own data size (records and users),
 - optionally its node's own cap, node config ``max-epsilon`` (the owner's budget
-  is then the smaller of that and the run's ``target-epsilon``).
+  is then the smaller of that and the run's ``target-epsilon``). The owner reports
+  the cap at set-up and the server asks it for a noise multiplier calibrated for
+  it (:mod:`flwr_jdp.joint_dp.budgets`); the check below is the same either way.
 
 From these it computes the schedule the server must follow (:class:`AgreedRelease`,
 the same formula as :func:`flwr_jdp.joint_dp.schedule.build_schedule`) and refuses,

@@ -30,6 +30,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 
 from flwr_jdp.joint_dp import protocol
+from flwr_jdp.joint_dp.budgets import node_max_epsilon
 from flwr_jdp.joint_dp.config import JobConfig
 from flwr_jdp.joint_dp.owner_guard import (
     AgreedRelease,
@@ -190,9 +191,13 @@ def read_instructions(cfg: JobConfig, cfg_rec: ConfigRecord, owners: list[int]) 
     if not len(rates) == len(steps) == len(wanted):
         raise InstructionRefused(f"{len(wanted)} owners but {len(rates)} sampling rates and "
                                  f"{len(steps)} step counts")
-    z = float(cfg_rec[protocol.NOISE_MULTIPLIER])
+    # one noise multiplier for every owner, or one per owner
+    zs = protocol.noise_multipliers(cfg_rec[protocol.NOISE_MULTIPLIER], len(wanted))
+    if zs is None:
+        raise InstructionRefused(f"{len(wanted)} owners but {len(cfg_rec[protocol.NOISE_MULTIPLIER])} "
+                                 "noise multipliers")
     rnd = int(cfg_rec[protocol.ROUND])
-    by_owner = {o: Instruction(rnd, float(q), int(n), z) for o, q, n in zip(wanted, rates, steps)}
+    by_owner = {o: Instruction(rnd, float(q), int(n), z) for o, q, n, z in zip(wanted, rates, steps, zs)}
     missing = [o for o in owners if o not in by_owner]
     if missing:
         raise InstructionRefused(f"the train instruction is not addressed to owners {missing[:5]}")
@@ -205,10 +210,12 @@ def charge_owners(cfg: JobConfig, context: Context, sizes: dict[int, OwnerSize],
     against its own ledger, then records the release in its ledger and saves it,
     before anything is trained (:func:`flwr_jdp.privacy.guard.charge`). Any refusal
     refuses the whole message (nothing is recorded, trained or sent). ``session`` is
-    noted in the ledger; it does not select it."""
+    noted in the ledger; it does not select it. Each owner's budget is
+    ``min(max-epsilon, target-epsilon)``, its node's cap (node config ``max-epsilon``)
+    if it sets one (:func:`flwr_jdp.joint_dp.budgets.node_max_epsilon`)."""
     if not (cfg.dp and cfg.placement is NoisePlacement.LOCAL):
         return
-    cap = context.node_config.get("max-epsilon")
-    requests = {o: (agreed_release(cfg, sizes[o], None if cap is None else float(cap)), instruction)
+    cap = node_max_epsilon(context.node_config)
+    requests = {o: (agreed_release(cfg, sizes[o], cap), instruction)
                 for o, instruction in instructions.items()}
     charge(context, OWNER_LEDGERS, requests, cfg.privacy_unit, note=f"session {session}")

@@ -10,7 +10,14 @@ as many nodes as owners). Per owner, a reply carries:
 
 Train messages carry the global shared arrays (``shared``) and a ConfigRecord
 (``config``) with the round, the owners to train, and per owner the sample rate and
-number of DP-SGD steps the server accounts for, plus the noise multiplier.
+number of DP-SGD steps the server accounts for, plus the noise multiplier: one float
+when every owner the message addresses adds the same (always so for one owner), else
+a list with one value per owner of ``owners`` (owners capped by their node's
+``max-epsilon`` add more noise, :mod:`flwr_jdp.joint_dp.budgets`). An owner reads
+either form (:func:`noise_multipliers`).
+
+The set-up (query) reply lists, per owner, its id, sizes and its node's cap
+``max-epsilon`` (0.0: none), all public metadata.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ PERSONAL_ROUNDS = "personal-rounds"  # rounds the owner's personal state was tra
 OWNER_IDS = "owner-ids"
 NUM_RECORDS = "num-records"
 NUM_USERS = "num-users"
+MAX_EPSILON = "max-epsilon"  # the node's cap on each owner's budget (0.0: none)
 PARAM_NAMES = "param-names"  # drop-in client: the model's parameter names and shapes
 PARAM_SHAPES = "param-shapes"
 
@@ -66,6 +74,22 @@ def owner_key(owner_id: int) -> str:
 def metrics_key(owner_id: int) -> str:
     """Record key of one owner's metrics."""
     return f"metrics.{int(owner_id)}"
+
+
+def noise_value(multipliers: list[float]) -> float | list[float]:
+    """The ``noise-multiplier`` value of a message whose owners add ``multipliers``
+    (in the order of ``owners``): one float if they are all equal, else the list."""
+    values = [float(z) for z in multipliers]
+    return values[0] if values and all(z == values[0] for z in values) else values
+
+
+def noise_multipliers(value: object, count: int) -> list[float] | None:
+    """Per owner, the noise multipliers of a ``noise-multiplier`` value addressed to
+    ``count`` owners (one float for all, or one per owner); None if a list's length
+    is not ``count``."""
+    if isinstance(value, list | tuple):
+        return [float(z) for z in value] if len(value) == count else None
+    return [float(value)] * count  # type: ignore[arg-type]
 
 
 def parse_owner_key(key: str, prefix: str = "owner") -> int | None:

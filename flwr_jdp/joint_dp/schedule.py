@@ -5,7 +5,8 @@ derives, before round 1, every owner's sampling rate and number of noisy steps p
 round. The owners use exactly these values, and the ledger records exactly these
 events, so the noise that is accounted is the noise that is added.
 
-Per round (``z`` the noise multiplier):
+Per round (``z`` the noise multiplier; under local noise ``z`` may differ per owner,
+see :mod:`flwr_jdp.joint_dp.budgets`):
 
 - record/user unit, local noise: scope ``owner/<o>`` releases
   ``SelfComposed(PoissonSampled(q_o, Gaussian(z)), steps_o)`` with
@@ -20,6 +21,7 @@ Per round (``z`` the noise multiplier):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import dp_accounting as dpa
@@ -53,8 +55,10 @@ class Schedule:
     dim: int = 0
     scale: float = 0.0
 
-    def round_events(self, cfg: JobConfig, z: float, selected: list[int]) -> dict[str, dpa.DpEvent]:
-        """Scope -> event of one round in which ``selected`` owners train."""
+    def round_events(self, cfg: JobConfig, z: float | Mapping[int, float],
+                     selected: list[int]) -> dict[str, dpa.DpEvent]:
+        """Scope -> event of one round in which ``selected`` owners train; ``z`` one
+        noise multiplier, or (local noise) one per owner."""
         if not cfg.dp:
             return {}
         if cfg.placement is NoisePlacement.CENTRAL:
@@ -65,12 +69,19 @@ class Schedule:
             if not self.dim:
                 raise ValueError("distributed noise: the schedule has no dimension yet (set at set-up)")
             return {SERVER_SCOPE: owner_plan(cfg, z, self.dim, self.scale).event(self.server_rate)}
+        zs = z if isinstance(z, Mapping) else dict.fromkeys(selected, z)
         if cfg.unit is PrivacyUnit.OWNER:
-            return {owner_scope(o): ev.gaussian(z) for o in selected}
+            return {owner_scope(o): ev.gaussian(zs[o]) for o in selected}
         return {
-            owner_scope(o): ev.dp_sgd(z, self.owner_rates[o], self.owner_steps[o])
+            owner_scope(o): ev.dp_sgd(zs[o], self.owner_rates[o], self.owner_steps[o])
             for o in selected
         }
+
+    def restricted(self, owners: Iterable[int]) -> Schedule:
+        """The schedule of ``owners`` alone (the same rates, steps and server rate)."""
+        owners = list(owners)
+        return Schedule({o: self.owner_rates[o] for o in owners}, {o: self.owner_steps[o] for o in owners},
+                        self.server_rate, self.num_units)
 
     def run_events(self, cfg: JobConfig, z: float, rounds: int) -> list[dpa.DpEvent]:
         """Distinct whole-run events (``rounds`` rounds, every owner every round)."""

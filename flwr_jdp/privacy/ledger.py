@@ -25,6 +25,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,10 @@ class PrivacyLedger:
         """Epsilon at ``delta`` spent by ``scope``."""
         return epsilon(self.scope_event(scope, extra), self.delta, self.accountant, self.neighbouring)
 
-    def epsilon(self, planned: dict[str, dpa.DpEvent] | None = None) -> float:
-        """Joint-DP epsilon: the maximum over scopes (optionally after ``planned``).
+    def epsilon(self, planned: dict[str, dpa.DpEvent] | None = None,
+                scopes: Iterable[str] | None = None) -> float:
+        """Joint-DP epsilon: the maximum over scopes (optionally after ``planned``;
+        only over ``scopes`` if given, e.g. a group of owners).
 
         Scopes with the same history (e.g. owners of equal size) are accounted once.
         With many distinct scopes (e.g. one per subject) and the PLD accountant
@@ -146,6 +149,8 @@ class PrivacyLedger:
         releases)."""
         planned = planned or {}
         names = set(self.scopes) | set(planned)
+        if scopes is not None:
+            names &= set(scopes)
         if not names:
             return 0.0
         todo: dict[str, list[list[Any]]] = {}

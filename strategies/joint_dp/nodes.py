@@ -6,6 +6,7 @@ owners it hosts and their sizes, check each node's model against ``initial_array
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -63,10 +64,12 @@ class NodeSetup:
 
     def setup(self, grid: Grid, timeout: float = 120.0,
               initial_arrays: ArrayRecord | None = None) -> ArrayRecord:
-        """Ask every node which owners it hosts and their sizes (and check its model
-        against ``initial_arrays``, whose personal values it is sent); return the
-        initial shared arrays; compute the sampling schedule and (if asked) calibrate the
-        noise multiplier. Fails with a message naming the key on a mismatch."""
+        """Ask every node which owners it hosts, their sizes and caps (node config
+        ``max-epsilon``), and check its model against ``initial_arrays``, whose personal
+        values it is sent; return the initial shared arrays; compute the sampling
+        schedule and (if asked) calibrate the noise multiplier, and under local noise
+        one per capped group of owners. Fails with a message naming the key on a
+        mismatch."""
         if initial_arrays is None:
             raise ConfigError("start() needs the model: pass start(initial_arrays=ArrayRecord("
                               "model.state_dict())) with the ClientApps' model's parameters")
@@ -162,12 +165,19 @@ class NodeSetup:
                               "parameter names: its ClientApp does not use flwr_jdp's JointDPClient")
         self._check_model(list(rec[protocol.PARAM_NAMES]), list(rec[protocol.PARAM_SHAPES]),
                           reply.metadata.src_node_id)
-        for o, nrec, nusr in zip(rec[protocol.OWNER_IDS], rec[protocol.NUM_RECORDS],
-                                 rec[protocol.NUM_USERS], strict=False):
+        owners = list(rec[protocol.OWNER_IDS])
+        # each owner's cap, node config max-epsilon (0.0: none; absent from older client halves)
+        caps = list(rec[protocol.MAX_EPSILON]) if protocol.MAX_EPSILON in rec else [0.0] * len(owners)
+        if len(caps) != len(owners) or not all(math.isfinite(float(c)) and float(c) >= 0 for c in caps):
+            raise ConfigError(f"node {reply.metadata.src_node_id} reported caps {caps[:5]} (node config "
+                              f"'max-epsilon') for owners {owners[:5]}: each must be a number > 0")
+        for o, nrec, nusr, cap in zip(owners, rec[protocol.NUM_RECORDS], rec[protocol.NUM_USERS], caps,
+                                      strict=False):
             if int(o) in self.owner_node:
                 raise ConfigError(f"owner {o} is hosted by two nodes; check node configs "
                                   "'partition-id' and 'num-partitions'")
             self.owner_node[int(o)] = reply.metadata.src_node_id
             self.sizes[int(o)] = OwnerSize(int(nrec), int(nusr))
+            self.owner_caps[int(o)] = float(cap) if float(cap) > 0 else None
 
 

@@ -1,5 +1,6 @@
 """The release plan of :class:`~flwr_jdp.strategies.JointDP`: the noise multiplier calibrated
-for the whole run, the owners selected each round, and the round's charge, recorded
+for the whole run (and, under local noise, one per group of owners capped by their node,
+:mod:`.budgets`), the owners selected each round, and the round's charge, recorded
 before the instruction that asks for the release leaves the server.
 """
 
@@ -35,6 +36,7 @@ class ReleasePlan:
                 "%d rounds (%s accountant)", self.noise_multiplier, self.cfg.target_epsilon,
                 self.cfg.delta, self.cfg.num_rounds,
                 "rdp, Skellam" if self.kind == protocol.KIND_SECURE_SUM else self.cfg.accountant)
+        self._plan_owner_budgets()  # local noise: owners capped by their node's max-epsilon
         if self.kind == protocol.KIND_SECURE_SUM:
             plan = self.secure_plan()
             log(INFO, "Distributed noise: each owner adds Skellam noise with mu=%.4g to its sum rounded at "
@@ -57,7 +59,7 @@ class ReleasePlan:
             raise ConfigError("JointDP runs through its own start() (set-up, calibration, ledger); it was "
                               f"driven by another strategy's loop. If it was wrapped: {_DP_WRAPPER}")
         selected = self._select()
-        planned = self.schedule.round_events(self.cfg, self.noise_multiplier, selected)
+        planned = self.schedule.round_events(self.cfg, self.round_noise(selected), selected)
         if self.ledger.would_exceed(planned, self.cfg.target_epsilon):
             raise PrivacyBudgetExhausted(
                 f"round {server_round} would spend epsilon={self.ledger.epsilon(planned):.4f} > "
@@ -82,7 +84,7 @@ class ReleasePlan:
                 rec[protocol.SAMPLE_RATES] = [float(self.schedule.server_rate)] * len(owners)
                 rec[protocol.STEPS] = [1] * len(owners)
                 rec[protocol.SCALE] = float(self.schedule.scale)
-            rec[protocol.NOISE_MULTIPLIER] = float(self.noise_multiplier)
+            rec[protocol.NOISE_MULTIPLIER] = protocol.noise_value([self.noise_of(o) for o in owners])
             rec[protocol.SESSION] = self.session
             content = RecordDict({protocol.SHARED: arrays, protocol.CONFIG: rec})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))

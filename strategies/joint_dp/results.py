@@ -66,6 +66,9 @@ class Results:
             cfg.effective_personal_rule, self.num_personal)
         log(INFO, "\t│\t├── clipping norm %.4g, noise multiplier %.4g", cfg.clipping_norm,
             self.noise_multiplier)
+        line = self.budget_line()  # owners capped by their node's max-epsilon (local noise)
+        if line:
+            log(INFO, "\t│\t├── %s", line)
         log(INFO, "\t│\t└── budget epsilon=%.4g at delta=%.3g (%s)", cfg.target_epsilon,
             cfg.delta, "rdp: the Skellam mechanism's bound" if self.kind == protocol.KIND_SECURE_SUM
             else cfg.accountant)
@@ -152,6 +155,8 @@ class Results:
             "personal_parameters": self.num_personal,
             "wall_seconds": time.time() - t0,
             "session": self.session,
+            # local noise: which owners ran at which budget and noise multiplier, and spent what
+            **({"owner_budgets": budgets} if (budgets := self.budget_record()) is not None else {}),
         }
 
 

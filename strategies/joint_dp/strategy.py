@@ -8,7 +8,10 @@ configured unit (record, user or owner). This is joint DP in the billboard model
 Noise placement
     ``local``: owners add the noise themselves (DP-SGD on the shared parameters, or
     a noised clipped update for the owner unit); the server only averages. The
-    ledger keeps one scope per owner and reports the maximum over owners.
+    ledger keeps one scope per owner and reports the maximum over owners. An owner
+    whose node caps its budget below ``target-epsilon`` (node config ``max-epsilon``,
+    reported at set-up) adds a noise multiplier calibrated for its cap, recorded in
+    its scope (:mod:`flwr_jdp.joint_dp.budgets`).
     ``central``: owners send clipped quantities; the server (trusted aggregator)
     adds Gaussian noise once to their sum and divides by the expected count. The
     ledger has one ``server`` scope.
@@ -44,6 +47,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from flwr_jdp.checkpoint import Checkpoint
+from flwr_jdp.joint_dp.budgets import BudgetGroup
 from flwr_jdp.joint_dp.config import (
     NAMESPACE,
     ConfigError,
@@ -62,12 +66,13 @@ from flwr_jdp.privacy.mechanisms import numpy_rng
 from flwr_jdp.privacy.units import NoisePlacement
 from flwr_jdp.strategies.accounted import AccountedStrategy
 from flwr_jdp.strategies.joint_dp.aggregation import Aggregation, _checked_inner
+from flwr_jdp.strategies.joint_dp.budgets import OwnerBudgets
 from flwr_jdp.strategies.joint_dp.nodes import NodeSetup
 from flwr_jdp.strategies.joint_dp.plan import ReleasePlan
 from flwr_jdp.strategies.joint_dp.results import Results
 
 
-class JointDP(NodeSetup, ReleasePlan, Aggregation, Results, AccountedStrategy):
+class JointDP(NodeSetup, ReleasePlan, OwnerBudgets, Aggregation, Results, AccountedStrategy):
     r"""Joint-DP training of shared parameters with personal layers kept local.
 
     Parameters
@@ -120,6 +125,9 @@ class JointDP(NodeSetup, ReleasePlan, Aggregation, Results, AccountedStrategy):
         self.rng = numpy_rng(cfg.noise_seed_or_none)
         self.owner_node: dict[int, int] = {}
         self.sizes: dict[int, OwnerSize] = {}
+        self.owner_caps: dict[int, float | None] = {}  # node config max-epsilon (set-up)
+        self.budget_groups: list[BudgetGroup] = []  # local noise: owners by budget
+        self.owner_noise: dict[int, float] = {}  # capped owners' noise multipliers
         self.schedule: Schedule | None = None
         self.spec: dict[str, ArraySpec] = {}
         self.num_personal = 0
