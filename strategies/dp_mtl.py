@@ -114,7 +114,7 @@ class DPMeanRegularizedMTL(AccountedStrategy):
         self.server: MeanServer | None = None
         if num_tasks:
             self._plan(num_tasks)
-        self.ledger = PrivacyLedger(delta=cfg.delta, accountant=cfg.accountant, unit="owner",
+        self.ledger = PrivacyLedger(delta=cfg.delta, accountant=cfg.accountant, unit="task",
                                     budget=cfg.target_epsilon if cfg.private else None,
                                     neighbouring=cfg.neighbouring)
         self.mean = np.zeros(num_params or 0)
@@ -440,6 +440,13 @@ class DPMeanRegularizedMTL(AccountedStrategy):
     def evaluate_fn_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
         """``evaluate_fn`` gets the noisy mean ``w~`` as the user's model (:meth:`model_arrays`)."""
         return self.model_arrays(arrays)
+
+    def result_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
+        """``Result.arrays``: the noisy mean ``w~`` as the user's model, said in one log line."""
+        if self.layout is not None:
+            log(INFO, "Result arrays: the noisy mean of the tasks' models (every parameter); each task's own "
+                "model stays on its node (MTLClient.load)")
+        return self.evaluate_fn_arrays(arrays)
 
     def save(self, arrays: ArrayRecord, status: str) -> None:
         failed = health.ended_on_skipped_round(self.history, status)  # its last mean is noise only

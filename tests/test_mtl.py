@@ -203,7 +203,7 @@ def test_flower_run_equals_single_process_and_sends_only_projected_models(tmp_pa
         elif kind == "evaluate":
             assert set(content.keys()) == {"metrics"} and not content.array_records
     ledger = json.loads((tmp_path / "res" / "ledger.json").read_text())
-    assert ledger["neighbouring"] == "replace-one" and ledger["unit"] == "owner"
+    assert ledger["neighbouring"] == "replace-one" and ledger["unit"] == "task"
     assert [r["round"] for r in ledger["rounds"]] == [1, 2, 3]
 
 

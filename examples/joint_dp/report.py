@@ -43,10 +43,10 @@ def _fmt(row: dict[str, str]) -> str:
 def table1(rows: list[dict[str, str]]) -> str:
     """Table 1: one line per (data set, n); cells 'mean ± std (seeds)'."""
     cols = [("per-silo", "-"), ("fedavg", "-"), ("full-dp", "local"), ("joint-dp", "local"),
-            ("full-dp", "central"), ("joint-dp", "central")]
+            ("full-dp", "central"), ("joint-dp", "central"), ("joint-dp", "distributed")]
     head = ("| data set | n | per-silo | without DP (FedAvg) | full-DP ε=1 local | "
-            "joint-DP ε=1 local | full-DP ε=1 central | joint-DP ε=1 central |")
-    lines = [head, "|" + "---|" * 8]
+            "joint-DP ε=1 local | full-DP ε=1 central | joint-DP ε=1 central | joint-DP ε=1 distributed |")
+    lines = [head, "|" + "---|" * 9]
     keys = sorted({(r["dataset"], int(r["owners"])) for r in rows})
     for ds, n in keys:
         cells = []
