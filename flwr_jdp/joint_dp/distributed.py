@@ -71,7 +71,7 @@ def agreed_distributed(cfg: JobConfig, dim: int, scale: float, max_epsilon: floa
     budget = cfg.target_epsilon if max_epsilon is None else min(cfg.target_epsilon, float(max_epsilon))
     return AgreedDistributed(
         unit=cfg.unit, max_sample_rate=1.0, max_steps=1, fixed_noise=float(cfg.noise_multiplier),
-        rounds=int(cfg.num_rounds), budget=float(budget), delta=float(cfg.delta), accountant=cfg.accountant,
+        rounds=int(cfg.num_rounds), budget=float(budget), delta=float(cfg.delta), accountant="rdp",
         neighbouring=cfg.neighbouring, rate_from="a probability", steps_from="one step per round",
         dim=int(dim), scale=float(scale), cfg=cfg)
 

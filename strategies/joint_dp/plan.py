@@ -34,8 +34,7 @@ class ReleasePlan:
             self.noise_multiplier = calibrate_schedule(self.cfg, self.schedule)
             log(INFO, "Calibrated noise multiplier %.4f for epsilon=%.3g at delta=%.3g over "
                 "%d rounds (%s accountant)", self.noise_multiplier, self.cfg.target_epsilon,
-                self.cfg.delta, self.cfg.num_rounds,
-                "rdp, Skellam" if self.kind == protocol.KIND_SECURE_SUM else self.cfg.accountant)
+                self.cfg.delta, self.cfg.num_rounds, self.cfg.accountant)
         self._plan_owner_budgets()  # local noise: owners capped by their node's max-epsilon
         if self.kind == protocol.KIND_SECURE_SUM:
             plan = self.secure_plan()

@@ -70,8 +70,7 @@ class Results:
         if line:
             log(INFO, "\t│\t├── %s", line)
         log(INFO, "\t│\t└── budget epsilon=%.4g at delta=%.3g (%s)", cfg.target_epsilon,
-            cfg.delta, "rdp: the Skellam mechanism's bound" if self.kind == protocol.KIND_SECURE_SUM
-            else cfg.accountant)
+            cfg.delta, cfg.accountant)
 
     def save(self, arrays: ArrayRecord, status: str) -> None:
         self._ckpt.save(arrays, self.ledger, self.history, self.noise_multiplier, status,

@@ -114,6 +114,8 @@ class JointDP(NodeSetup, ReleasePlan, OwnerBudgets, Aggregation, Results, Accoun
             cfg = namespaced_config({}, **settings)
         elif settings:
             cfg = with_settings(cfg, **settings)
+        if cfg.dp and cfg.placement is NoisePlacement.DISTRIBUTED and cfg.accountant != "rdp":
+            cfg = dataclasses.replace(cfg, accountant="rdp")  # the Skellam mechanism's bound is an RDP bound
         self.cfg = cfg
         self.node_settle_s = node_settle_s
         self.ledger = ledger or PrivacyLedger(
