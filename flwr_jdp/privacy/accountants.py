@@ -25,11 +25,10 @@ Results are also cached per (event, delta, backend).
 from __future__ import annotations
 
 import functools
-
-import attr
 import json
 import math
 
+import attr
 import dp_accounting as dpa
 from dp_accounting.pld import PLDAccountant
 

@@ -19,12 +19,12 @@ from flwr.serverapp.strategy.fedopt import FedOpt
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError, minimum_survivors
 from flwr_jdp.joint_dp.distributed import owner_plan
-from flwr_jdp.privacy.skellam import MODULUS, SkellamPlan, from_field
-from flwr_jdp.strategies.joint_dp.secagg import SecureSum
 from flwr_jdp.joint_dp.schedule import units_of
 from flwr_jdp.joint_dp.validation import NORM_SLACK, max_sampled_units, validate_replies
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, reclipped_sum
+from flwr_jdp.privacy.skellam import MODULUS, SkellamPlan, from_field
 from flwr_jdp.privacy.units import NoisePlacement
+from flwr_jdp.strategies.joint_dp.secagg import SecureSum
 
 
 class Aggregation:

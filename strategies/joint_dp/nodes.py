@@ -8,19 +8,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from logging import WARNING
 
 import numpy as np
-
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
 
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError
 from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule, units_of
 from flwr_jdp.joint_dp.validation import ArraySpec, max_sampled_units
-from flwr_jdp.privacy.skellam import choose_scale
 from flwr_jdp.node_query import query_nodes
 from flwr_jdp.params import split_names
+from flwr_jdp.privacy.skellam import choose_scale
+from flwr_jdp.privacy.units import PrivacyUnit
 
 
 class NodeSetup:
@@ -112,6 +114,11 @@ class NodeSetup:
                 f"{shown} ({len(answered)} nodes connected, all answered)"
             )
         self.schedule = build_schedule(self.cfg, self.sizes)
+        full = [o for o, q in self.schedule.owner_rates.items() if q >= 1.0]
+        if self.cfg.dp and full and self.cfg.unit is not PrivacyUnit.OWNER:
+            log(WARNING, "%s of %d owners hold no more units than '%s' = %g: their batches take every unit "
+                "(no amplification by sampling for them)", len(full), len(self.sizes), self._key("batch-size"),
+                self.cfg.batch_size)
         if self.kind == protocol.KIND_SECURE_SUM:
             self._plan_secure_sum(grid)
         self._calibrate()
