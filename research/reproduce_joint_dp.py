@@ -375,6 +375,8 @@ def run_seed(cell: Cell, seed: int, data_dir: str, work_dir: Path, supernodes: i
             old["timing"] = {"seconds": float(old.get("wall_seconds", 0.0)), "reused": True}
             return old
     nodes = max(1, min(supernodes, cell.owners))
+    if cell.trust == "distributed":  # secure aggregation needs 3 nodes (flwr_jdp.joint_dp.distributed.MIN_NODES)
+        nodes = max(nodes, 3)
     timing = simulate("joint-dp", cfg, num_supernodes=nodes, ray_address=ray_address)
     out = json.loads((results_dir / "results.json").read_text())
     out["timing"] = timing

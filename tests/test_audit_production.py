@@ -310,9 +310,9 @@ DISTRIBUTED_TRIALS = 10_000
 @QUIET
 def test_distributed_secure_sum_release_audit(monkeypatch):
     """Record unit, distributed noise: the release the server decodes from Flower's
-    SecAgg+ sum. Two owners on two nodes of the ClientApp of :func:`_owners_app`
-    (``noise-placement = "distributed"``); ``D``: 31 + 32 records, ``D'``: the canary
-    added to owner 0. One real round per side (``JointDP.exchange_train``: the owners'
+    SecAgg+ sum. Three owners on three nodes of the ClientApp of :func:`_owners_app`
+    (``noise-placement = "distributed"``); ``D``: 31 + 32 + 33 records, ``D'``: the
+    canary added to owner 0. One real round per side (``JointDP.exchange_train``: the owners'
     DP pass, their rounding and noise shares, Flower's ``secaggplus_mod``, the
     strategy's SecAgg+ stages) records each owner's clipped per-unit rows as the DP
     pass hands them to the encoder; every trial then redraws what is random in the
@@ -333,12 +333,12 @@ def test_distributed_secure_sum_release_audit(monkeypatch):
     from flwr_jdp.strategies.joint_dp.secagg import SecureSumResult
 
     torch.set_num_threads(1)
-    run_config = _run_config(**{"noise-placement": "distributed", "num-owners": 2, "noise-seed": 11,
+    run_config = _run_config(**{"noise-placement": "distributed", "num-owners": 3, "noise-seed": 11,
                                 "dropout-tolerance": 0.0})
     cfg = parse_config(run_config)
     canary_x, canary_y, u = _canary(_probe())
-    owners = {o: _owner(o, *_records(RECORDS + o, seed=10 + o)) for o in (0, 1)}
-    sides = {False: owners, True: {0: _with_canary(owners[0], canary_x, canary_y), 1: owners[1]}}
+    owners = {o: _owner(o, *_records(RECORDS + o, seed=10 + o)) for o in (0, 1, 2)}
+    sides = {False: owners, True: {**owners, 0: _with_canary(owners[0], canary_x, canary_y)}}
     initial_arrays = protocol.to_record({n: p.detach().numpy() for n, p in _probe().named_parameters()})
 
     rows: dict[bool, list[torch.Tensor]] = {}
@@ -358,11 +358,11 @@ def test_distributed_secure_sum_release_audit(monkeypatch):
         initial = strategy.setup(grid, timeout=30.0, initial_arrays=initial_arrays)
         messages = list(strategy.configure_train(1, initial, ConfigRecord(), grid))
         strategy.exchange_train(1, messages, grid, 30.0)
-        assert strategy._secure.total is not None and len(strategy._secure.survivors) == 2
+        assert strategy._secure.total is not None and len(strategy._secure.survivors) == 3
         strategies[side], claims[side], plans[side] = strategy, strategy.ledger.epsilon(), strategy.secure_plan()
     claim = claims[False]
     assert claims[True] == claim and strategies[False].schedule.server_rate == 1.0
-    assert len(rows[False]) == len(rows[True]) == 2  # one Poisson batch per owner
+    assert len(rows[False]) == len(rows[True]) == 3  # one Poisson batch per owner
     sched = strategies[False].schedule
     scale = sched.server_rate * sched.num_units / (cfg.learning_rate * cfg.clipping_norm)
     shapes = [tuple(v.shape) for v in strategies[False].spec.values()]
@@ -376,7 +376,7 @@ def test_distributed_secure_sum_release_audit(monkeypatch):
             parts = list(torch.split(ints, [int(np.prod(s)) for s in shapes]))
             field = distributed.encode_release([p.numpy().reshape(s) for p, s in zip(parts, shapes)], plan, rng)
             total = field if total is None else [np.mod(a + b, MODULUS) for a, b in zip(total, field)]
-        strategy._secure = SecureSumResult([np.zeros(1, dtype=np.int64), *total], [1000, 1001])
+        strategy._secure = SecureSumResult([np.zeros(1, dtype=np.int64), *total], [1000, 1001, 1002])
         new, _ = strategy.aggregate_train(1, [])
         return -float(new["body.weight"].numpy()[:, 0].astype(np.float64) @ u) * scale
 

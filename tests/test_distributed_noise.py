@@ -226,12 +226,12 @@ def test_a_tenfold_noise_cut_in_one_owners_share_fails(monkeypatch, tmp_path):
         import dataclasses
 
         cut_owner.append(1)
-        if len(cut_owner) % 2:  # one owner of two: its share's mu 10x smaller
+        if len(cut_owner) % 3 == 1:  # one owner of three: its share's mu 10x smaller
             plan = dataclasses.replace(plan, noise_multiplier=plan.noise_multiplier / math.sqrt(10))
         return real(integer_sum, plan, rng)
 
     monkeypatch.setattr(distributed, "encode_release", cut)
-    measured, claimed, _ = _measured_noise(monkeypatch, tmp_path, nodes=2)
+    measured, claimed, _ = _measured_noise(monkeypatch, tmp_path, nodes=3)
     with pytest.raises(AssertionError):
         assert measured == pytest.approx(claimed, rel=0.1)
 
@@ -240,8 +240,8 @@ def test_owner_refuses_a_noise_multiplier_cut_tenfold(tmp_path):
     """The server asks for a tenth of the calibrated noise: every owner checks the
     instruction against its own plan and budget and refuses before reading its data;
     the run fails as it cannot progress, its epsilon charged."""
-    rc = _rc(2, **{"results-dir": str(tmp_path), "target-epsilon": 2.0, "max-skipped-rounds": 1})
-    grid = InProcessGrid(user_app(), 2, rc, errors_as_replies=True)
+    rc = _rc(3, **{"results-dir": str(tmp_path), "target-epsilon": 2.0, "max-skipped-rounds": 1})
+    grid = InProcessGrid(user_app(), 3, rc, errors_as_replies=True)
     strategy = JointDP.from_run_config(rc, node_settle_s=0.0)
     real_configure = strategy.configure_train
 
@@ -310,6 +310,51 @@ def test_too_many_dropouts_stop_before_unmasking(tmp_path):
     assert not any(r.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.NODE_ID_LIST) is not None
                    for r in grid.sent if r.has_content())  # no unmask stage ran
     assert strategy.ledger.epsilon() > 0
+
+
+def test_a_node_whose_owner_fails_leaves_the_secure_sum_whole(run_config, tmp_path):
+    """flwr-jdp's own app, six owners on three nodes: owner 4's train raises in every
+    round. Its node must not send its other owner's vector alone (the server counts a
+    node's owners as survivors): the whole node leaves, and with dropout-tolerance 0
+    the server stops before unmasking."""
+    import apps.joint_dp.joint_dp.client_app as own_app
+    from apps.joint_dp.joint_dp.server_app import initial_arrays
+    from flwr_jdp.joint_dp.config import parse_config
+
+    real = own_app.jdp.train
+
+    def failing(msg, context, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if owner_id(context) == 4:
+            raise RuntimeError("owner 4's data breaks its code")
+        return real(msg, context, *args, **kwargs)
+
+    own_app.jdp.train = failing
+    try:
+        rc = {**run_config, "num-owners": 6, "noise-placement": "distributed", "dropout-tolerance": 0.0,
+              "num-rounds": 1, "max-skipped-rounds": 1}
+        cfg = parse_config(rc)
+        grid = InProcessGrid(own_app.app, 3, rc, errors_as_replies=True)
+        strategy = JointDP(cfg, node_settle_s=0.0)
+        with pytest.raises(Exception, match="rounds in a row"):
+            strategy.start(grid=grid, initial_arrays=initial_arrays(cfg))
+        assert "not unmasked" in strategy._secure.stopped
+        assert any("did not release" in r for r in strategy.last_drop_reasons), strategy.last_drop_reasons
+    finally:
+        own_app.jdp.train = real
+
+
+def test_a_node_refuses_a_secure_sum_it_was_not_planned_for():
+    """At the set-up stage a node checks the field, the unit weights and the threshold."""
+    from flwr.app import ConfigRecord as CR
+
+    from flwr_jdp.joint_dp.distributed import _check_setup
+
+    good = {Key.STAGE: Stage.SETUP, Key.CLIPPING_RANGE: float(MODULUS // 2), Key.TARGET_RANGE: MODULUS,
+            Key.MOD_RANGE: MODULUS, Key.MAX_WEIGHT: 1.0, Key.THRESHOLD: 3}
+    _check_setup(CR(good))
+    for key, value in ((Key.THRESHOLD, 2), (Key.TARGET_RANGE, 2**22), (Key.MAX_WEIGHT, 1000.0)):
+        with pytest.raises(RuntimeError, match="refused"):
+            _check_setup(CR({**good, key: value}))
 
 
 # ------------------------------------------------------------------ accounting
@@ -388,7 +433,7 @@ def test_one_node_hosting_every_owner_is_refused_before_any_release(run_config):
     aggregate securely; refused at set-up, nothing spent."""
     from tests.helpers import run_inprocess
 
-    with pytest.raises(ConfigError, match="at least 2 nodes"):
+    with pytest.raises(ConfigError, match="at least 3 nodes"):
         run_inprocess({**run_config, "noise-placement": "distributed"}, num_nodes=1)
 
 

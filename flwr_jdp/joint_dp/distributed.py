@@ -28,12 +28,13 @@ from logging import WARNING
 import dp_accounting as dpa
 import numpy as np
 import torch
-from flwr.app import Context, Message, MessageType
+from flwr.app import ConfigRecord, Context, Message, MessageType
 from flwr.client.mod import secaggplus_mod
 from flwr.common import Code, FitRes, Status, log, ndarrays_to_parameters
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 
+from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import JobConfig, minimum_survivors
 from flwr_jdp.joint_dp.owner_guard import AgreedRelease, Instruction
 from flwr_jdp.joint_dp.owner_store import OWNER_LEDGERS
@@ -128,11 +129,19 @@ def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message,
     the user's ClientApp."""
     if msg.metadata.message_type != MessageType.TRAIN or RECORD_KEY_CONFIGS not in msg.content.config_records:
         return call_next(msg, context)
+    _check_setup(msg.content.config_records[RECORD_KEY_CONFIGS])
 
     def train(inner: Message, ctx: Context) -> Message:
         reply = call_next(inner, ctx)
         if reply.has_error():  # refused or failed: this node drops out of the secure sum
             raise RuntimeError(reply.error.reason)
+        cfg_rec = inner.content.config_records.get(protocol.CONFIG)
+        wanted = len(list(cfg_rec.get(protocol.OWNERS, []))) if cfg_rec is not None else 0
+        if len(reply.content.array_records) != wanted:
+            # an owner of this node failed: its noise share would be missing from the sum the server
+            # unmasks, which counts this node's owners as survivors, so the whole node leaves the round
+            raise RuntimeError(f"{wanted - len(reply.content.array_records)} of this node's {wanted} owners "
+                               "did not release; the node leaves the secure sum")
         total: list[np.ndarray] | None = None
         for record in reply.content.array_records.values():
             arrays = [np.asarray(a, dtype=np.int64) for a in record.to_numpy_ndarrays()]
@@ -154,5 +163,27 @@ def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message,
         raise
 
 
-__all__ = ["AgreedDistributed", "UnitEncoder", "agreed_distributed", "charge_distributed", "encode_release",
+#: The fewest nodes a secure sum may hold at any stage. Flower's SecAgg+ seeds each mask's
+#: generator with 32 bits of its key: with two nodes only one pairwise mask hides a node's
+#: vector once the server has unmasked, which a search of 2**32 seeds could remove; with three
+#: or more, at least two masks (64 bits) remain.
+MIN_NODES = 3
+
+
+def _check_setup(rec: ConfigRecord) -> None:
+    """A node takes part only in the secure sum flwr-jdp's server plans: the field and
+    its encoding as :func:`secure_sum_mod` uses them, unit weights, and a reconstruction
+    threshold of at least :data:`MIN_NODES` (an honest server's; a node cannot check the
+    others' replies)."""
+    if rec.get(Key.STAGE) != Stage.SETUP:
+        return
+    expected = {Key.CLIPPING_RANGE: float(MODULUS // 2), Key.TARGET_RANGE: MODULUS, Key.MOD_RANGE: MODULUS,
+                Key.MAX_WEIGHT: 1.0}
+    wrong = [k for k, v in expected.items() if rec.get(k) != v]
+    if wrong or int(rec.get(Key.THRESHOLD, 0)) < MIN_NODES:
+        raise RuntimeError(f"secure aggregation set-up refused: {wrong or 'threshold'} not as flwr-jdp plans it "
+                           f"(ranges 2**31, unit weights, threshold >= {MIN_NODES})")
+
+
+__all__ = ["MIN_NODES", "AgreedDistributed", "UnitEncoder", "agreed_distributed", "charge_distributed", "encode_release",
            "owner_plan", "secure_sum_mod"]

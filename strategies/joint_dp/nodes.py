@@ -17,6 +17,7 @@ from flwr.serverapp import Grid
 
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import ConfigError
+from flwr_jdp.joint_dp.distributed import MIN_NODES
 from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule, units_of
 from flwr_jdp.joint_dp.validation import ArraySpec, max_sampled_units
 from flwr_jdp.node_query import query_nodes
@@ -127,9 +128,10 @@ class NodeSetup:
     def _plan_secure_sum(self, grid: Grid) -> None:
         """Distributed noise: the encoding's dimension and scale, fixed before any release."""
         hosts = set(self.owner_node.values())
-        if len(hosts) < 2:
-            raise ConfigError(f"run-config key '{self._key('noise-placement')}'='distributed' needs at least 2 "
-                              f"nodes for secure aggregation; {len(hosts)} node hosts every owner")
+        if len(hosts) < MIN_NODES:
+            raise ConfigError(f"run-config key '{self._key('noise-placement')}'='distributed' needs at least "
+                              f"{MIN_NODES} nodes for secure aggregation (Flower's SecAgg+ masks need three "
+                              f"nodes to hide each one's vector); the owners are on {len(hosts)}")
         assert self.schedule is not None
         dim = int(sum(int(np.prod(spec.shape)) for spec in self.spec.values()))
         rate = self.schedule.server_rate

@@ -9,7 +9,10 @@ stages with the same messages (``secaggplus`` config records, the stage keys of
 written here. It differs from Flower's workflow where JointDP needs it:
 
 - every node is every other node's neighbour (SecAgg's full graph), and the
-  reconstruction threshold is the fewest survivors the round accepts;
+  reconstruction threshold is the fewest survivors the round accepts, never below 3
+  (:data:`~flwr_jdp.joint_dp.distributed.MIN_NODES`: Flower seeds each mask's
+  generator with 32 bits of its key, so with two survivors one unknown mask would
+  hide a node's vector);
 - the unmasked result is the sum modulo ``M`` of the nodes' integer vectors, returned
   as such (JointDP decodes it; Flower's workflow dequantises to floats and divides
   by the total weight);
@@ -41,6 +44,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+from flwr_jdp.joint_dp.distributed import MIN_NODES
 
 
 @dataclass
@@ -90,9 +95,9 @@ class SecureSum:
         reason to stop before unmasking, or None."""
         nodes = sorted(contents)
         dropped: dict[int, str] = {}
-        if len(nodes) < 2:
-            return SecureSumResult(None, [], {}, "secure aggregation needs at least 2 nodes")
-        threshold = max(2, min(int(threshold), len(nodes)))
+        if len(nodes) < MIN_NODES:
+            return SecureSumResult(None, [], {}, f"secure aggregation needs at least {MIN_NODES} nodes")
+        threshold = max(MIN_NODES, min(int(threshold), len(nodes)))
         m = self.modulus
         def setup() -> RecordDict:  # one record per message: the client mod pops its stage key
             return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
