@@ -324,8 +324,8 @@ def test_distributed_secure_sum_release_audit(monkeypatch):
 
     Claim: the strategy's ledger after ``configure_train`` (the Skellam event by RDP),
     1.548 at delta 1e-3. Observed (10,000 trials a side, 95 %; ``examples/audit/mutants.py``):
-    honest 0.679; every owner's share with a tenth of its mu 3.032; owners clipping at
-    10 C and rounding within 10 delta_2 6.727.
+    honest 0.833; every owner's share with a tenth of its mu 3.238; owners clipping at
+    10 C and rounding within 10 delta_2 6.963.
     """
     import flwr_jdp.joint_dp.distributed as distributed
     from flwr_jdp.privacy.skellam import MODULUS
