@@ -67,27 +67,19 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _own_events() -> dict[str, type]:
-    from .skellam import SkellamDpEvent
+def _event_class(name: str) -> type:
+    """A dp-accounting event class, or flwr-jdp's own (the Skellam mechanism's)."""
+    if name == "SkellamDpEvent":
+        from .skellam import SkellamDpEvent
 
-    return {"SkellamDpEvent": SkellamDpEvent}
-
-
-class _Lazy(dict):
-    def get(self, key, default=None):  # noqa: ANN001, ANN201
-        if not self:
-            self.update(_own_events())
-        return super().get(key, default)
-
-
-#: flwr-jdp's own event classes (beside dp-accounting's), by class name.
-_EVENT_CLASSES: dict[str, type] = _Lazy()
+        return SkellamDpEvent
+    return getattr(dpa.dp_event, name)
 
 
 def from_dict(data: Any) -> Any:
     """Inverse of :func:`to_dict`."""
     if isinstance(data, dict) and "class_name" in data:
-        cls = _EVENT_CLASSES.get(data["class_name"]) or getattr(dpa.dp_event, data["class_name"])
+        cls = _event_class(data["class_name"])
         kwargs = {k: from_dict(v) for k, v in data.items() if k != "class_name"}
         return cls(**kwargs)
     if isinstance(data, list):
