@@ -102,6 +102,10 @@ class Results:
     def cannot_progress(self) -> bool:
         return bool(self.last_drop_reasons) and all(protocol.BROKEN_RULE in r for r in self.last_drop_reasons)
 
+    def cannot_progress_reason(self) -> str:
+        return ("every owner's train function breaks a rule of the DP pass, which the same code breaks in every "
+                "round; fix it and start a new run")
+
     def round_row(self, server_round: int, train_metrics: MetricRecord | None,
                   eval_metrics: MetricRecord | None) -> dict:
         cfg = self.cfg
