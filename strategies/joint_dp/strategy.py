@@ -71,7 +71,6 @@ from flwr_jdp.strategies.joint_dp.nodes import NodeSetup
 from flwr_jdp.strategies.joint_dp.plan import ReleasePlan
 from flwr_jdp.strategies.joint_dp.results import Results
 
-
 #: Arguments of Flower's FedAvg that JointDP does not take, and why (each refused with its reason).
 NOT_CARRIED_OVER = {
     "fraction_fit": "JointDP samples owners itself: every owner takes part in every round at the record and "
