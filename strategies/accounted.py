@@ -93,6 +93,11 @@ class AccountedStrategy(Strategy):
         now instead of spending the rest of its budget."""
         return False
 
+    def cannot_progress_reason(self) -> str:
+        """Why later rounds would be skipped too (for the failure message, when
+        :meth:`cannot_progress` ended the run)."""
+        return "every reply was refused for a reason that holds in every later round"
+
     def failure_reasons(self) -> str:
         """Why the last rounds had too few valid replies (for the failure message)."""
         return "no reply arrived"
@@ -125,7 +130,7 @@ class AccountedStrategy(Strategy):
         arrays, rounds = self.prepare(grid, initial_arrays, num_rounds, timeout)
         result = Result()
         result.arrays = arrays
-        status, skipped = "completed", 0
+        status, skipped, hopeless = "completed", 0, False
         if evaluate_fn is not None and rounds.start <= 1:
             self._server_evaluate(evaluate_fn, 0, self.evaluate_fn_arrays(self.evaluated_arrays(arrays)), result)
         for rnd in rounds:
@@ -164,7 +169,8 @@ class AccountedStrategy(Strategy):
             log(INFO, "%s | %.1fs", self.round_line(row), row["seconds"])
             result.arrays = arrays
             skipped = skipped + 1 if row.get("skipped") else 0
-            if skipped >= self.max_skipped_rounds or (row.get("skipped") and self.cannot_progress()):
+            hopeless = bool(row.get("skipped")) and skipped < self.max_skipped_rounds and self.cannot_progress()
+            if skipped >= self.max_skipped_rounds or hopeless:
                 status = "failed"
                 break
             self.save(arrays, "running")
@@ -172,10 +178,14 @@ class AccountedStrategy(Strategy):
         self.status = status
         result.arrays = self.result_arrays(arrays)
         if status == "failed":
-            raise RunFailed(
-                f"run failed: {skipped} rounds in a row (max-skipped-rounds={self.max_skipped_rounds}) "
-                f"had too few valid replies; epsilon {self.epsilon_spent():.4f} spent and saved. "
-                f"Last round's reasons: {self.failure_reasons()}")
+            why = (f"round {rnd} had too few valid replies and so would every later round "
+                   f"({self.cannot_progress_reason()}): the run ends now instead of after "
+                   f"max-skipped-rounds={self.max_skipped_rounds} skipped rounds"
+                   if hopeless else
+                   f"{skipped} rounds in a row (max-skipped-rounds={self.max_skipped_rounds}) had too few valid "
+                   "replies")
+            raise RunFailed(f"run failed: {why}; epsilon {self.epsilon_spent():.4f} spent and saved. "
+                            f"Last round's reasons: {self.failure_reasons()}")
         return result
 
     @staticmethod

@@ -485,8 +485,12 @@ def test_a_run_whose_owners_all_break_a_rule_fails_after_one_round(tmp_path):
                                    "jdp.results-dir": str(tmp_path / "run")})
     grid = InProcessGrid(app, 2, rc)
     strategy = JointDP.from_run_config(rc, node_settle_s=0.0)
-    with pytest.raises(RuntimeError, match="breaks a rule of the DP pass"):
+    with pytest.raises(RuntimeError, match="breaks a rule of the DP pass") as err:
         strategy.start(grid=grid, initial_arrays=ArrayRecord(Tiny().state_dict()), num_rounds=3)
+    message = str(err.value)  # what ended the run: one round, not max-skipped-rounds in a row
+    assert message.startswith("run failed: round 1 had too few valid replies and so would every later round "
+                              "(every owner's train function breaks a rule of the DP pass"), message
+    assert "rounds in a row" not in message and "instead of after max-skipped-rounds=3 skipped rounds" in message
     res = load_results(str(tmp_path / "run"))
     assert res["status"] == "failed" and res["rounds_completed"] == 1
     assert [r["round"] for r in PrivacyLedger.load(tmp_path / "run" / "ledger.json").rounds] == [1]

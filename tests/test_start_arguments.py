@@ -16,10 +16,10 @@ from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.strategies import JointDP, load_results
 
 
-def _start(run_config, fault=None, **kwargs):
+def _start(run_config, fault=None, strategy_kwargs=None, **kwargs):
     cfg = parse_config(run_config)
     grid = InProcessGrid(client_app, 2, run_config, fault=fault)
-    strategy = JointDP(cfg, node_settle_s=0.0)
+    strategy = JointDP(cfg, node_settle_s=0.0, **(strategy_kwargs or {}))
     kwargs.setdefault("initial_arrays", initial_arrays(cfg))
     return strategy, strategy.start(grid=grid, **kwargs)
 
@@ -152,3 +152,43 @@ def test_a_start_without_the_model_is_refused_before_spending(run_config):
     with pytest.raises(ConfigError, match=r"start\(\) needs the model: pass start\(initial_arrays="):
         _start(run_config, initial_arrays=None)
     assert _nothing_spent(run_config)
+
+
+def test_fedavgs_evaluate_metrics_aggr_fn_and_fraction_evaluate_carry_over(run_config):
+    """FedAvg's ``evaluate_metrics_aggr_fn`` gets each evaluated owner's reply content and
+    the weighting key, as Flower calls it, and its result is in the round's metrics;
+    ``fraction_evaluate`` asks that fraction of the 4 owners (2) each round."""
+    calls = []
+
+    def aggr(contents, key):
+        calls.append((len(contents), key, sorted(contents[0]["metrics"].keys())))
+        return MetricRecord({"best": max(c["metrics"]["accuracy"] for c in contents), "accuracy": -1.0})
+
+    asked = []
+
+    def spy(instruction, reply):
+        if instruction.metadata.message_type == "evaluate":
+            asked.append(list(instruction.content[protocol.CONFIG][protocol.OWNERS]))
+        return reply
+
+    _, result = _start(run_config, fault=spy,
+                       strategy_kwargs={"fraction_evaluate": 0.5, "evaluate_metrics_aggr_fn": aggr})
+    assert len(calls) == 2 and all(n == 2 and key == "num-examples" for n, key, _ in calls)  # one per round
+    assert "accuracy" in calls[0][2] and "num-examples" in calls[0][2]
+    assert sum(map(len, asked)) == 4  # 2 owners asked in each of the 2 rounds
+    metrics = result.evaluate_metrics_clientapp[2]
+    assert metrics["owners"] == 2 and 0 <= metrics["best"] <= 1
+    assert metrics["accuracy"] == -1.0  # the user's function overrides flwr-jdp's key
+    assert "accuracy-std" in metrics  # flwr-jdp's other keys stay
+
+
+@pytest.mark.parametrize("name,message", [
+    ("train_metrics_aggr_fn", "train_metrics_aggr_fn: a train reply carries only 'num-examples'"),
+    ("min_available_nodes", "min_available_nodes: JointDP waits at set-up for 'num-owners'"),
+    ("fraction_fit", "fraction_fit: JointDP samples owners itself"),
+])
+def test_fedavg_arguments_not_carried_over_are_refused_with_the_reason(run_config, name, message):
+    with pytest.raises(ConfigError, match=rf"JointDP does not take FedAvg's {message}"):
+        JointDP(parse_config(run_config), **{name: 2})
+    with pytest.raises(ConfigError, match=r"fraction_evaluate=1.5\): must be in \[0, 1\]"):
+        JointDP(parse_config(run_config), fraction_evaluate=1.5)

@@ -30,10 +30,15 @@ class Results:
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Ask every owner to evaluate its own model on its own test split."""
+        """Ask every owner (a ``fraction_evaluate`` of them, at least one) to evaluate
+        its own model on its own test split."""
         self._requested = {}
-        for o, node in sorted(self.owner_node.items()):
-            self._requested.setdefault(node, []).append(o)
+        owners = sorted(self.owner_node)
+        if self.fraction_evaluate < 1.0:
+            count = max(1, int(len(owners) * self.fraction_evaluate)) if self.fraction_evaluate > 0 else 0
+            owners = sorted(int(o) for o in self.evaluate_rng.choice(owners, size=count, replace=False))
+        for o in owners:
+            self._requested.setdefault(self.owner_node[o], []).append(o)
         messages = []
         for node, owners in self._requested.items():
             rec = ConfigRecord(dict(config))
@@ -50,6 +55,9 @@ class Results:
         for reason in valid.dropped.values():
             log(WARNING, "round %d: dropped evaluation reply: %s", server_round, reason)
         metrics = _weighted_metrics(valid.metrics)
+        if metrics is not None and self.evaluate_metrics_aggr_fn is not None:  # the user's own, as FedAvg calls it
+            contents = [RecordDict({protocol.METRICS: MetricRecord(m)}) for m in valid.metrics.values()]
+            metrics = MetricRecord({**metrics, **self.evaluate_metrics_aggr_fn(contents, protocol.NUM_EXAMPLES)})
         if metrics is not None and "accuracy" not in metrics and not self._warned_accuracy:
             self._warned_accuracy = True
             names = sorted(k for k in metrics if k != "owners")
@@ -101,6 +109,10 @@ class Results:
 
     def cannot_progress(self) -> bool:
         return bool(self.last_drop_reasons) and all(protocol.BROKEN_RULE in r for r in self.last_drop_reasons)
+
+    def cannot_progress_reason(self) -> str:
+        return ("every owner's train function breaks a rule of the DP pass, which the same code breaks in every "
+                "round; fix it and start a new run")
 
     def round_row(self, server_round: int, train_metrics: MetricRecord | None,
                   eval_metrics: MetricRecord | None) -> dict:

@@ -41,7 +41,7 @@ from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
@@ -71,6 +71,30 @@ from flwr_jdp.strategies.joint_dp.nodes import NodeSetup
 from flwr_jdp.strategies.joint_dp.plan import ReleasePlan
 from flwr_jdp.strategies.joint_dp.results import Results
 
+#: Arguments of Flower's FedAvg that JointDP does not take, and why (each refused with its reason).
+NOT_CARRIED_OVER = {
+    "fraction_fit": "JointDP samples owners itself: every owner takes part in every round at the record and "
+                    "user units, where each owner's sampling rate and the server's noise are planned together; "
+                    "the owner unit samples owners at run-config key 'fraction-train' (accounted)",
+    "min_train_nodes": "JointDP waits at set-up for 'num-owners' owners (0: every node that answers) and skips "
+                       "a round with fewer than 'min-valid-fraction' of them valid (still charged)",
+    "min_evaluate_nodes": "every owner is asked to evaluate (fraction_evaluate sets how many)",
+    "min_available_nodes": "JointDP waits at set-up for 'num-owners' owners (0: every node that answers)",
+    "min_fit_clients": "see min_train_nodes", "min_evaluate_clients": "see min_evaluate_nodes",
+    "min_available_clients": "see min_available_nodes",
+    "train_metrics_aggr_fn": "a train reply carries only 'num-examples': an owner's training loss or other "
+                             "metrics are not covered by the DP guarantee, so they are not sent",
+    "fit_metrics_aggregation_fn": "see train_metrics_aggr_fn",
+    "evaluate_metrics_aggregation_fn": "Flower's legacy signature (list of (num_examples, metrics)); pass "
+                                       "evaluate_metrics_aggr_fn with the Message API's "
+                                       "(list[RecordDict], str) -> MetricRecord",
+    "weighted_by_key": "the owners' weights are their data sizes, reported at set-up (public metadata)",
+    "arrayrecord_key": "flwr-jdp's messages use 'arrays'", "configrecord_key": "flwr-jdp's messages use 'config'",
+    "initial_parameters": "pass the initial model to start(initial_arrays=ArrayRecord(...))",
+    "on_fit_config_fn": "pass a fixed train_config to start(); evaluate_config likewise",
+    "on_evaluate_config_fn": "pass a fixed evaluate_config to start()",
+}
+
 
 class JointDP(NodeSetup, ReleasePlan, OwnerBudgets, Aggregation, Results, AccountedStrategy):
     r"""Joint-DP training of shared parameters with personal layers kept local.
@@ -90,6 +114,16 @@ class JointDP(NodeSetup, ReleasePlan, OwnerBudgets, Aggregation, Results, Accoun
         (FedAvg by default; FedAvgM, FedAdam, FedYogi or FedAdagrad for a server
         optimizer). It changes the model, never the ledger. Flower's DP wrappers and
         robust aggregators are refused with the reason.
+    fraction_evaluate : float
+        As in Flower's FedAvg: the fraction of owners asked to evaluate each round
+        (at least one; 0 evaluates none). Evaluation spends no privacy.
+    evaluate_metrics_aggr_fn : callable, optional
+        As in Flower's FedAvg: ``(list[RecordDict], weighting key) -> MetricRecord``,
+        called with each evaluated owner's reply content (``{"metrics": ...}``) and
+        ``"num-examples"``; what it returns is added to (and overrides keys of)
+        flwr-jdp's own aggregate (the weighted mean of every metric, ``accuracy``
+        the plain mean over owners, ``owners``). FedAvg's other arguments are refused
+        with the reason and what takes their place (:data:`NOT_CARRIED_OVER`).
     **settings
         Any configuration key by its Python name (``target_epsilon=2.0``,
         ``personal_layers=r"^fc3\."``, ``noise_placement="central"``, ...), validated
@@ -103,9 +137,17 @@ class JointDP(NodeSetup, ReleasePlan, OwnerBudgets, Aggregation, Results, Accoun
         ledger: PrivacyLedger | None = None,
         node_settle_s: float = 1.0,
         inner: Strategy | None = None,
+        fraction_evaluate: float = 1.0,
+        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
         **settings: object,
     ) -> None:
         self.inner = _checked_inner(inner)
+        for name in settings.keys() & NOT_CARRIED_OVER.keys():
+            raise ConfigError(f"JointDP does not take FedAvg's {name}: {NOT_CARRIED_OVER[name]}")
+        if not 0.0 <= fraction_evaluate <= 1.0:
+            raise ConfigError(f"JointDP(fraction_evaluate={fraction_evaluate}): must be in [0, 1]")
+        self.fraction_evaluate = float(fraction_evaluate)
+        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
         #: How the user spells flwr-jdp's run-config keys (in error messages): ``jdp.``
         #: in a drop-in app (:meth:`from_run_config`, or settings without ``cfg``),
         #: none in flwr-jdp's own app, whose whole run config is flwr-jdp's.
@@ -125,6 +167,9 @@ class JointDP(NodeSetup, ReleasePlan, OwnerBudgets, Aggregation, Results, Accoun
         self.noise_multiplier = cfg.noise_multiplier
         self.kind = release_kind(cfg)
         self.rng = numpy_rng(cfg.noise_seed_or_none)
+        #: which owners evaluate (``fraction_evaluate``): its own stream, never the noise's
+        self.evaluate_rng = np.random.default_rng(None if cfg.noise_seed_or_none is None
+                                                  else [cfg.noise_seed_or_none, 1])
         self.owner_node: dict[int, int] = {}
         self.sizes: dict[int, OwnerSize] = {}
         self.owner_caps: dict[int, float | None] = {}  # node config max-epsilon (set-up)

@@ -1,0 +1,1 @@
+"""A Flower / Hugging Face app: a tiny transformer classifying short synthetic reviews."""

@@ -1,0 +1,17 @@
+"""The ServerApp: JointDP runs the rounds (under FedAvg: ``FedAvg()``, the same ``start``)."""
+
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from flwr_jdp.strategies import JointDP
+from hftext.task import build_model
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    strategy = JointDP.from_run_config(context.run_config)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(build_model().state_dict()),
+                            num_rounds=context.run_config["num-server-rounds"])
+    print(f"final evaluation: {result.evaluate_metrics_clientapp}")

@@ -1,0 +1,1 @@
+"""A Flower app with a NumPyClient: an MLP on scikit-learn's digits partitions."""
