@@ -16,6 +16,8 @@ handlers return, a reply leaves the node with only:
 - a SecAgg+ stage (train messages carrying Flower's ``secaggplus_configs``):
   Flower's records as its mod and :func:`~flwr_jdp.joint_dp.distributed.secure_sum_mod`
   build them (the masked vector travels inside Flower's record; the arrays emptied).
+  The train check also runs inside ``secure_sum_mod`` (:meth:`ReplyGuard.train_only`),
+  so what it sums is the release records only and the node stays in the secure sum.
 
 Anything else is removed on the node, with one log line naming what (record and key
 names, never values); the rest of the reply is sent unchanged. An evaluate reply
@@ -41,8 +43,8 @@ from dataclasses import dataclass
 from logging import WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 from flwr.client.mod.utils import make_ffn
+from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
@@ -146,23 +148,23 @@ class ReplyGuard:
         if kind == MessageType.TRAIN:
             if RECORD_KEY_CONFIGS in msg.content.config_records:
                 return SECAGG_RULES
-            try:
-                return self.train_rules(msg, context)
-            except Exception as err:  # noqa: BLE001 - a malformed instruction: nothing may leave
-                log(WARNING, "%s: cannot read what the train reply may carry (%s: %s); it leaves empty",
-                    self.__name__, type(err).__name__, err)
-                return {}
+            return self._train(msg, context)
         if kind == MessageType.EVALUATE:
             return None
         if kind == MessageType.QUERY:
             return self.setup_rules
         return {}
 
-    def __call__(self, msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
-        reply = call_next(msg, context)
-        if reply.has_error():
-            return reply
-        content, dropped = filter_content(reply.content, self.rules(msg, context))
+    def _train(self, msg: Message, context: Context) -> Rules:
+        try:
+            return self.train_rules(msg, context)
+        except Exception as err:  # noqa: BLE001 - a malformed instruction: nothing may leave
+            log(WARNING, "%s: cannot read what the train reply may carry (%s: %s); it leaves empty",
+                self.__name__, type(err).__name__, err)
+            return {}
+
+    def _filtered(self, msg: Message, reply: Message, rules: Rules | None) -> Message:
+        content, dropped = filter_content(reply.content, rules)
         if dropped:
             log(WARNING, "%s: dropped from the %s reply before it left the node (only the release and its count, "
                 "evaluation metrics or set-up fields may leave): %s", self.__name__,
@@ -170,11 +172,27 @@ class ReplyGuard:
             reply.content = content
         return reply
 
+    def __call__(self, msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+        reply = call_next(msg, context)
+        return reply if reply.has_error() else self._filtered(msg, reply, self.rules(msg, context))
+
+    def train_only(self, msg: Message, context: Context,
+                   call_next: Callable[[Message, Context], Message]) -> Message:
+        """The same check of train replies, for a place inside a mod that consumes them
+        (:func:`~flwr_jdp.joint_dp.distributed.secure_sum_mod`, which sums the release
+        records before SecAgg+ masks the sum): the handlers' extra records are removed
+        there and the node stays in the secure sum. Other messages pass."""
+        reply = call_next(msg, context)
+        if reply.has_error() or msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
+            return reply
+        return self._filtered(msg, reply, self._train(msg, context))
+
 
 def install(app: ClientApp, guard: ReplyGuard, *inner: Callable) -> None:
     """Put ``guard`` first on ``app``'s mods, ``inner`` mods right after it (each once),
     and around every handler the app registered before: outermost, it sees each reply
-    as it leaves."""
+    as it leaves. ``inner`` may hold ``guard.train_only`` after a mod that consumes
+    the handlers' train replies."""
     mods = getattr(app, "_mods", None)
     if not isinstance(mods, list):
         raise TypeError("the ClientApp has no mod list (a ClientApp built with client_fn?): "

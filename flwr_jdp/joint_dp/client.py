@@ -458,11 +458,12 @@ def _add_mods(app: ClientApp, guard: ReplyGuard) -> None:
     the node) first on ``app`` and around the handlers it already has, then
     :func:`~flwr_jdp.joint_dp.distributed.secure_sum_mod`, so that ``noise-placement =
     "distributed"`` needs no change to the user's ClientApp (it passes every other
-    message through) and the guard sees the reply as it leaves. Handlers the app
+    message through) and the guard sees the reply as it leaves; the guard's train check
+    again inside it, so what it sums is the release only. Handlers the app
     registered before JointDPClient was created do not get the secure sum; their
     secure-aggregation messages fail with Flower's own error (the README creates
     JointDPClient first)."""
-    install(app, guard, secure_sum_mod)
+    install(app, guard, secure_sum_mod, guard.train_only)
 
 
 def _run_user_code(train_fn: TrainFn, model: nn.Module, loader: DataLoader) -> None:
