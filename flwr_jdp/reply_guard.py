@@ -80,7 +80,8 @@ SECAGG_RULES: Rules = {
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A metric value that is one number (a list could carry a parameter vector)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _shown(names: list[str], limit: int = 10) -> str:
