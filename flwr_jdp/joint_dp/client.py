@@ -86,6 +86,7 @@ from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 from flwr_jdp.records import hosted_owners
+from flwr_jdp.reply_guard import ReplyGuard, install, joint_dp_guard
 from flwr_jdp.training.user_loop import UserLoopError, private_training
 
 TrainFn = Callable[[nn.Module, DataLoader], object]
@@ -143,8 +144,8 @@ class JointDPClient:
         self.user_ids = user_ids
         self.config_fn = config_fn or (lambda context: namespaced_config(context.run_config))
         self._key_prefix = "" if config_fn else f"{NAMESPACE}."  # how the user spells the keys
+        _add_mods(app, joint_dp_guard(lambda context: self.config(context).effective_personal_rule))
         app.query()(self._setup)
-        _add_secure_sum(app)
 
     # ------------------------------------------------------------------ set-up
     def config(self, context: Context) -> JobConfig:
@@ -452,15 +453,17 @@ class JointDPClient:
         return dict(zip(split.shared, delta, strict=True))
 
 
-def _add_secure_sum(app: ClientApp) -> None:
-    """Put :func:`~flwr_jdp.joint_dp.distributed.secure_sum_mod` first on ``app``, so that
-    ``noise-placement = "distributed"`` needs no change to the user's ClientApp: it
-    passes every other message through. Handlers the app registered before
-    JointDPClient was created do not get it; their secure-aggregation messages fail
-    with Flower's own error (the README creates JointDPClient first)."""
-    mods = getattr(app, "_mods", None)
-    if isinstance(mods, list) and secure_sum_mod not in mods:
-        mods.insert(0, secure_sum_mod)
+def _add_mods(app: ClientApp, guard: ReplyGuard) -> None:
+    """Put the reply guard (:mod:`flwr_jdp.reply_guard`: nothing but the release leaves
+    the node) first on ``app`` and around the handlers it already has, then
+    :func:`~flwr_jdp.joint_dp.distributed.secure_sum_mod`, so that ``noise-placement =
+    "distributed"`` needs no change to the user's ClientApp (it passes every other
+    message through) and the guard sees the reply as it leaves; the guard's train check
+    again inside it, so what it sums is the release only. Handlers the app
+    registered before JointDPClient was created do not get the secure sum; their
+    secure-aggregation messages fail with Flower's own error (the README creates
+    JointDPClient first)."""
+    install(app, guard, secure_sum_mod, guard.train_only)
 
 
 def _run_user_code(train_fn: TrainFn, model: nn.Module, loader: DataLoader) -> None:

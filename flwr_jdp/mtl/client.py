@@ -63,6 +63,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
 from flwr_jdp.config_check import ConfigError
+from flwr_jdp.reply_guard import install, mtl_guard
 
 from .algorithm import MTLConfig
 from .config import namespaced_mtl_config
@@ -223,6 +224,7 @@ class MTLClient:
                  train_data: Callable[[Context], DataLoader] | None = None) -> None:
         self.model_fn = model_fn
         self.train_data = train_data
+        install(app, mtl_guard(task_id))  # nothing but w_k and its count leaves the node
         app.query()(self._setup)
 
     # ------------------------------------------------------------------ set-up
