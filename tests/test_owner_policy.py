@@ -15,6 +15,7 @@ anything is released or kept within the ledger's bound.
   (the variance of the vector noise it added, measured).
 - No policy: trusted with one line under simulation; refused on a real SuperNode
   (Flower's own ``flwr-clientapp`` code calls the app) unless opted in.
+- Subject-level silos: the same checks (delta; the cap below their share of the plan).
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 import flwr_jdp.privacy.policy as policy_module
+from apps.subject_dp.subject_dp.client_app import client as subject_client
 from flwr_jdp.config_check import ConfigError
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.budgets import node_max_epsilon
+from flwr_jdp.privacy.guard import Instruction
 from flwr_jdp.privacy.ledger import PrivacyLedger
 from flwr_jdp.privacy.policy import DEFAULT_PLACEMENTS, OwnerPolicy
 from flwr_jdp.strategies import JointDP
+from flwr_jdp.subject.config import parse_subject_config
+from flwr_jdp.subject.silo_guard import cap_agreement
 from tests.test_distributed_noise import Spy, _initial, _rc, user_app
+from tests.test_silo_guard import RC as SILO_RC
+from tests.test_silo_guard import _honest, _ledgers, _refused, _send, silos  # noqa: F401 - silos: a fixture
 
 CAP, DELTA = 1.0, 1e-5
 
@@ -228,7 +235,8 @@ def test_a_tenfold_cut_of_the_floored_share_fails_the_check(monkeypatch, tmp_pat
 
 # ------------------------------------------------------------------ placements
 def test_central_noise_is_refused_unless_the_policy_names_it(tmp_path):
-    rc = _rc(3, **{"noise-placement": "central", "num-rounds": 1, "accountant": "rdp", "results-dir": str(tmp_path / "results")})
+    rc = _rc(3, **{"noise-placement": "central", "num-rounds": 1, "accountant": "rdp",
+                   "results-dir": str(tmp_path / "results")})
     with pytest.raises(RuntimeError, match=r"refused: run-config key 'jdp.noise-placement'='central', this node's "
                                            r"policy \(node config\) allows \['local', 'distributed'\]"):
         _start(rc, 3, {"max-epsilon": 8.0})
@@ -304,10 +312,39 @@ def test_under_simulation_without_a_policy_the_run_is_trusted_with_one_line(monk
     for _ in range(2):
         _, reply, _ = VirtualClientEngineActor.run(None, lambda: app, *_query({})[:1], "0", _query({})[1])
         assert not reply.has_error()
-    strategy, _ = _start(_local(**{"num-rounds": 2}), 3, {"state-dir": str(tmp_path / "node")})
+    strategy, _ = _start(_local(**{"num-rounds": 1}), 3, {"state-dir": str(tmp_path / "node")})
     assert strategy.status == "completed"
     lines = [r.getMessage() for r in caplog.records if "trust the run submitter" in r.getMessage()]
     assert len(lines) == 1 and "target-epsilon, delta" in lines[0]
+
+
+# ------------------------------------------------------------------ subject-level silos
+def test_silos_refuse_a_run_at_another_delta_before_reading_data(silos, tmp_path):  # noqa: F811
+    rc = {**SILO_RC, "delta": 1e-3}
+    grid = InProcessGrid(subject_client, 2, rc, node_config={"state-dir": str(tmp_path), "max-epsilon": 4.0})
+    _refused(_send(grid, 1, **_honest(1, rc)), "run-config key 'delta'=0.001, this node's policy (node config) "
+             "accounts its ledger at delta = 1e-05")
+    assert silos["data"] == [] and silos["trained"] == 0 and _ledgers(grid, tmp_path) == ({}, {})
+
+
+def test_a_silos_budget_is_its_policys_cap_when_smaller(silos, tmp_path):  # noqa: F811
+    """The cap lies between one round's epsilon and the plan's two: round 1 is charged
+    (at the policy's delta), round 2 refused with nothing trained."""
+    agreed = cap_agreement(parse_subject_config(SILO_RC))
+    one = PrivacyLedger(delta=DELTA, accountant="pld", unit="subject")
+    one.record_round(1, {"self": agreed.event(Instruction(1, agreed.max_sample_rate, agreed.max_steps,
+                                                          agreed.fixed_noise))})
+    cap = (one.epsilon() + agreed.budget) / 2
+    assert one.epsilon() < cap < agreed.budget
+    grid = InProcessGrid(subject_client, 2, SILO_RC, node_config={"state-dir": str(tmp_path),
+                                                                  "max-epsilon": cap})
+    assert not any(r.has_error() for r in _send(grid, 1))
+    trained = silos["trained"]
+    _refused(_send(grid, 2), f"the silo's budget {cap:g}")
+    assert silos["trained"] == trained
+    _, on_disk = _ledgers(grid, tmp_path)
+    assert sorted(on_disk) == [0, 1, 2, 3] and all(len(s["rounds"]) == 1 and s["delta"] == DELTA
+                                                   for s in on_disk.values())
 
 
 # ------------------------------------------------------------------ reading the policy

@@ -35,7 +35,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr_jdp.config_check import ConfigError
 from flwr_jdp.joint_dp.config import JobConfig
 from flwr_jdp.joint_dp.schedule import Schedule, calibrate_schedule
 from flwr_jdp.privacy.accountants import epsilon
