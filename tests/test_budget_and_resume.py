@@ -71,7 +71,7 @@ def test_restart_keeps_the_charge_of_the_interrupted_round(run_config, tmp_path)
 def _owner_ledger(tmp_path, session, owner):
     """The owner's own ledger on its node's disk (the same file whatever the session)."""
     assert (tmp_path / "node-state" / session).is_dir()
-    return json.loads((tmp_path / "node-state" / "owners-record-add-remove" / f"ledger-{owner}.json").read_text())
+    return json.loads((tmp_path / "node-state" / "owners" / f"ledger-{owner}.json").read_text())
 
 
 def test_restart_reuses_personal_state_kept_on_the_nodes_disk(run_config, tmp_path):

@@ -343,7 +343,7 @@ def test_the_deployment_guide_runs_as_written(shell, tmp_path):
         node = work / f"node-{owner % nodes}"
         assert (node / session / f"personal-{owner}.npz").is_file()
         # the owner's own ledger is not kept per session: it holds run A's releases and run B's
-        own = _json(node / "owners-record-add-remove" / f"ledger-{owner}.json")
+        own = _json(node / "owners" / f"ledger-{owner}.json")
         assert len(own["rounds"]) >= 3 and own["epsilon"] <= 8.0
     assert f"personal-{0}.npz" in out
 

@@ -124,7 +124,7 @@ def shell(tmp_path):
 
 def _ledgers(work: Path) -> dict[str, str]:
     """Every owner's own ledger file on the nodes' disks, by path."""
-    return {str(p): p.read_text() for p in sorted(work.glob("node-*/owners-*/ledger-*.json"))}
+    return {str(p): p.read_text() for p in sorted(work.glob("node-*/owners/ledger-*.json"))}
 
 
 def _run(out: str, app: Path) -> tuple[str, str]:

@@ -463,7 +463,7 @@ def test_personal_state_is_kept_in_the_sessions_folder_and_the_owners_ledger_bes
     _release(jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 2.0, 1.0, 1, rnd=1), ctx, _net(2), loader, fn))
     saved = load_personal_arrays(ctx, 0, "s1")
     assert sorted(p.name for p in (tmp_path / "s1").iterdir()) == ["personal-0.npz"]
-    ledger_file = tmp_path / "owners-owner-add-remove" / "ledger-0.json"  # not keyed by the session
+    ledger_file = tmp_path / "owners" / "ledger-0.json"  # not keyed by the session
     assert ledger_file.is_file()
     # the node restarts (a fresh context.state, the same state-dir): the owner continues
     app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "local"}, node_config=node)

@@ -196,7 +196,7 @@ def test_each_owner_checks_and_charges_its_own_ledger_before_training(tmp_path):
         agreed = agreed_release(cfg, sizes[o])
         ledger = load_owner_ledger(ctx, o, agreed, "record")
         assert ledger.releases == 1 and ledger.epsilon() > 0 and ledger.ledger.unit == "record"
-        on_disk = json.loads((tmp_path / "owners-record-add-remove" / f"ledger-{o}.json").read_text())
+        on_disk = json.loads((tmp_path / "owners" / f"ledger-{o}.json").read_text())
         assert [r["round"] for r in on_disk["rounds"]] == [1] and on_disk["rounds"][0]["note"] == "session s"
         assert load_owner_ledger(_ctx({"state-dir": str(tmp_path)}), o, agreed, "record").releases == 1
         assert ledger.ledger.scope_event(next(iter(ledger.ledger.scopes))) == agreed.event(ok[o])
@@ -211,7 +211,7 @@ def test_each_owner_checks_and_charges_its_own_ledger_before_training(tmp_path):
     restarted = _ctx({"state-dir": str(tmp_path)})
     charge_owners(cfg, restarted, sizes, {o: dataclasses.replace(i, server_round=2) for o, i in ok.items()}, "s")
     for o in (1, 2):
-        on_disk = json.loads((tmp_path / "owners-record-add-remove" / f"ledger-{o}.json").read_text())
+        on_disk = json.loads((tmp_path / "owners" / f"ledger-{o}.json").read_text())
         assert [r["round"] for r in on_disk["rounds"]] == [1, 2]
 
 
@@ -269,20 +269,38 @@ def test_a_new_session_named_by_the_server_does_not_reset_the_owners_ledger(tmp_
     assert notes == ["session sessionA"] * charged + ["session sessionB"]
 
 
-def test_the_owners_ledger_is_kept_per_privacy_unit_and_relation(tmp_path):
-    """Ledgers of different privacy units (or neighbouring relations) account
-    different things and are kept apart; delta and accountant are the current run's."""
+def test_the_owners_ledger_is_one_file_in_its_own_terms(tmp_path):
+    """One ledger per owner whatever the run: it records the unit, relation and delta
+    it counts in, and a run in other terms (no policy on the node: the first run's)
+    is refused, not given a fresh ledger or re-accounted at its own delta; the
+    accountant is the current run's."""
     node = {"state-dir": str(tmp_path)}
     sizes = {0: OwnerSize(100, 100)}
     record = _local_cfg()
     charge_owners(record, _ctx(node), sizes, {0: Instruction(1, 0.1, 10, 1.0)}, "s")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["owners"]
+    path = tmp_path / "owners" / "ledger-0.json"
+    assert {k: json.loads(path.read_text())[k] for k in ("unit", "neighbouring", "delta")} == {
+        "unit": "record", "neighbouring": "add-remove", "delta": 1e-5}
     user = _local_cfg(**{"privacy-unit": "user", "records-per-user": 1})
-    assert load_owner_ledger(_ctx(node), 0, agreed_release(user, sizes[0]), "user").releases == 0
-    assert load_owner_ledger(_ctx(node), 0, agreed_release(record, sizes[0]), "record").releases == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["owners-record-add-remove"]
-    other_delta = _local_cfg(delta=1e-3, accountant="pld")
-    reread = load_owner_ledger(_ctx(node), 0, agreed_release(other_delta, sizes[0]), "record")
-    assert reread.releases == 1 and reread.ledger.delta == 1e-3 and reread.ledger.accountant == "pld"
+    for other, unit, term in ((user, "user", "unit='record'"), (_local_cfg(delta=1e-3), "record", "delta=1e-05")):
+        with pytest.raises(InstructionRefused, match=f"ledger \\({path}\\) counts in other terms.*{term}"):
+            load_owner_ledger(_ctx(node), 0, agreed_release(other, sizes[0]), unit)
+        with pytest.raises(InstructionRefused, match="counts in other terms"):
+            charge_owners(other, _ctx(node), sizes, {0: Instruction(2, 0.1, 10, 1.0)}, "s")
+    reread = load_owner_ledger(_ctx(node), 0, agreed_release(_local_cfg(accountant="pld"), sizes[0]), "record")
+    assert reread.releases == 1 and reread.ledger.delta == 1e-5 and reread.ledger.accountant == "pld"
+
+
+def test_an_old_layout_ledger_is_refused_naming_its_path(tmp_path):
+    """A ledger of the layout keyed by unit and relation is not silently ignored."""
+    old = tmp_path / "owners-user-add-remove" / "ledger-0.json"
+    old.parent.mkdir()
+    old.write_text("{}")
+    with pytest.raises(InstructionRefused, match=f"old layout at {old}"):
+        charge_owners(_local_cfg(), _ctx({"state-dir": str(tmp_path)}), {0: OwnerSize(100, 100)},
+                      {0: Instruction(1, 0.1, 10, 1.0)}, "s")
+    assert not (tmp_path / "owners").exists()
 
 
 def test_nothing_is_charged_by_owners_under_central_noise_or_without_dp():

@@ -68,7 +68,7 @@ def _owner_ledger_files(tmp_path, nodes=2):
     """Each owner's own ledger, as its node keeps it on its state-dir."""
     out = {}
     for i in range(nodes):
-        for path in (tmp_path / f"node-{i}" / "owners-record-add-remove").glob("ledger-*.json"):
+        for path in (tmp_path / f"node-{i}" / "owners").glob("ledger-*.json"):
             out[int(path.stem.split("-")[1])] = json.loads(path.read_text())
     return out
 
@@ -267,9 +267,10 @@ def test_the_set_up_line():
 
 def test_central_noise_does_not_plan_for_caps_and_says_so(tmp_path, caplog):
     """Under central noise one server-side mechanism covers every owner at the target:
-    the caps are reported but not planned for, with one warning naming the owners."""
+    the caps are reported but not planned for, with one warning naming the owners (a
+    node's policy must name central noise to trust the server with clipped sums)."""
     rc = _config(tmp_path, **{"num-owners": 2, "num-rounds": 1, "noise-placement": "central"})
-    strategy, grid = _run(rc, {1: {"max-epsilon": CAP}}, tmp_path)
+    strategy, grid = _run(rc, {1: {"max-epsilon": CAP, "noise-placements": "local,central"}}, tmp_path)
     assert strategy.owner_caps == {0: None, 1: CAP} and strategy.owner_noise == {}
     assert not any(r.has_error() for r in _train_replies(grid))
     warned = [r.getMessage() for r in caplog.records if "max-epsilon" in r.getMessage()]

@@ -33,7 +33,7 @@ from flwr_jdp.training.subject_level import SiloData
 
 RC = {"num-silos": 4, "budget-rounds": 2, "local-steps": 1, "batch-size": 8, "sample-rate": 0.1,
       "max-records-per-subject": 4, "target-epsilon": 4.0, "data-dir": "/nonexistent", "results-dir": ""}
-LEDGER_DIR = "silos-subject-add-remove"
+LEDGER_DIR = "silos"
 
 
 def _model() -> nn.Module:

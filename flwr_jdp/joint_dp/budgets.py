@@ -2,7 +2,8 @@
 ``max-epsilon``, reported at set-up and met by the noise the server asks for.
 
 A SuperNode may cap the budget of the owners it hosts below the run's
-``target-epsilon`` with node config ``max-epsilon`` (absent: no cap). The cap is
+``target-epsilon`` with its policy's ``max-epsilon`` (:mod:`flwr_jdp.privacy.policy`;
+absent: no policy, no cap). The cap is
 public metadata, like the owners' sizes: every owner reports it at set-up
 (:data:`flwr_jdp.joint_dp.protocol.MAX_EPSILON`), and under ``noise-placement =
 "local"`` the server plans for it:
@@ -30,15 +31,14 @@ run-config keys, before anything is spent.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr_jdp.config_check import ConfigError
 from flwr_jdp.joint_dp.config import JobConfig
 from flwr_jdp.joint_dp.schedule import Schedule, calibrate_schedule
 from flwr_jdp.privacy.accountants import epsilon
+from flwr_jdp.privacy.policy import OwnerPolicy
 
 #: The node config key of an owner's own cap.
 NODE_KEY = "max-epsilon"
@@ -47,18 +47,11 @@ NODE_KEY = "max-epsilon"
 def node_max_epsilon(node_config: Mapping[str, Any]) -> float | None:
     """The cap a node sets on its owners' budget (node config ``max-epsilon``), or
     None without one; a value that is not a finite number > 0 is a
-    :class:`ConfigError` naming the node config key."""
-    value = node_config.get(NODE_KEY)
-    if value is None:
+    :class:`ConfigError` naming the node config key (read as the node's policy reads
+    it, :class:`flwr_jdp.privacy.policy.OwnerPolicy`, which also reads a policy file)."""
+    if node_config.get(NODE_KEY) is None:
         return None
-    try:
-        cap = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        cap = math.nan
-    if not (math.isfinite(cap) and cap > 0):
-        raise ConfigError(f"node config key '{NODE_KEY}' must be a number > 0 (the epsilon this node's owners "
-                          f"may spend at most; leave it out for no cap), got {value!r}")
-    return cap
+    return OwnerPolicy.from_mapping({NODE_KEY: node_config[NODE_KEY]}).max_epsilon
 
 
 def owner_budget(cfg: JobConfig, cap: float | None) -> float:

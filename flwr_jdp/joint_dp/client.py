@@ -66,10 +66,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.budgets import node_max_epsilon
 from flwr_jdp.joint_dp.config import NAMESPACE, ConfigError, JobConfig, namespaced_config
 from flwr_jdp.joint_dp.distributed import UnitEncoder, charge_distributed, encode_release, secure_sum_mod
-from flwr_jdp.joint_dp.owner_guard import Instruction, InstructionRefused
+from flwr_jdp.joint_dp.owner_guard import Instruction, InstructionRefused, owner_policy
 from flwr_jdp.joint_dp.owner_store import (
     charge_owners,
     load_personal_arrays,
@@ -177,11 +176,14 @@ class JointDPClient:
         return OwnerSize(n, users)
 
     def _setup(self, msg: Message, context: Context) -> Message:
-        """Report this node's owner, its data size, its node's cap (node config
-        ``max-epsilon``) and the model's parameter names and shapes; keep the public
-        initial personal values the server sent."""
+        """Hold the run to the node's policy (:func:`~flwr_jdp.joint_dp.owner_guard.owner_policy`:
+        an error reply naming the run-config key and the policy's value if it breaks it),
+        then report this node's owner, its data size, its policy's cap (``max-epsilon``)
+        and the model's parameter names and shapes; keep the public initial personal
+        values the server sent."""
         try:
             cfg = self.config(context)
+            cap = owner_policy(context, cfg).max_epsilon
             size = self._size(cfg, context, self.train_data(context))
             try:
                 model = self._model(context)
@@ -190,7 +192,9 @@ class JointDPClient:
                                   "argument, or the Context (e.g. lambda: Net(num_classes=10))") from None
             self._check_buffers(cfg, model)
             names, shapes = _spec_of(model)
-            cap = node_max_epsilon(context.node_config)
+        except InstructionRefused as err:
+            log(WARNING, "Refused the run at set-up: %s", err)
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"refused: {err}"), reply_to=msg)
         except (ConfigError, UserLoopError, ValueError) as err:
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
         public = msg.content.get(protocol.PUBLIC_PERSONAL)

@@ -6,9 +6,11 @@ step), an owner:
 1. checks the instruction against its own plan and charges its own ledger before any
    data is read (:func:`charge_distributed`): the noise multiplier must keep the run's
    ``num-rounds`` rounds of the owner's own accounting of the released sum within
-   its budget (``target-epsilon``, or its node's ``max-epsilon`` if smaller), and the
-   noise share it adds is computed here, from its own run config (``num-owners``,
-   ``dropout-tolerance``, ``colluding-owners``), never taken from the server;
+   its budget (``target-epsilon``, or its node's policy's ``max-epsilon`` if smaller,
+   at the policy's delta), and the noise share it adds is computed here, never taken
+   from the server: from the run config (``num-owners``, ``dropout-tolerance``,
+   ``colluding-owners``), but never below ``mu / honest-owners`` of its node's policy
+   (:mod:`flwr_jdp.privacy.policy` states why the ledger may then charge ``mu``);
 2. rounds each unit's scaled clipped gradient to integers in the DP pass
    (:class:`UnitEncoder`), sums them, adds its Skellam share and reduces the sum
    modulo :data:`~flwr_jdp.privacy.skellam.MODULUS` (:func:`encode_release`);
@@ -36,7 +38,7 @@ from flwr.compat.common import recorddict_compat as compat
 
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import JobConfig, minimum_survivors
-from flwr_jdp.joint_dp.owner_guard import AgreedRelease, Instruction
+from flwr_jdp.joint_dp.owner_guard import AgreedRelease, Instruction, owner_policy
 from flwr_jdp.joint_dp.owner_store import OWNER_LEDGERS
 from flwr_jdp.privacy.guard import charge
 from flwr_jdp.privacy.skellam import MODULUS, SkellamPlan, round_units, skellam_noise, to_field
@@ -68,11 +70,13 @@ class AgreedDistributed(AgreedRelease):
             instruction.sample_rate)
 
 
-def agreed_distributed(cfg: JobConfig, dim: int, scale: float, max_epsilon: float | None) -> AgreedDistributed:
+def agreed_distributed(cfg: JobConfig, dim: int, scale: float, max_epsilon: float | None,
+                       delta: float | None = None) -> AgreedDistributed:
     budget = cfg.target_epsilon if max_epsilon is None else min(cfg.target_epsilon, float(max_epsilon))
     return AgreedDistributed(
         unit=cfg.unit, max_sample_rate=1.0, max_steps=1, fixed_noise=float(cfg.noise_multiplier),
-        rounds=int(cfg.num_rounds), budget=float(budget), delta=float(cfg.delta), accountant="rdp",
+        rounds=int(cfg.num_rounds), budget=float(budget), delta=float(cfg.delta if delta is None else delta),
+        accountant="rdp",
         neighbouring=cfg.neighbouring, rate_from="a probability", steps_from="one step per round",
         dim=int(dim), scale=float(scale), cfg=cfg)
 
@@ -80,16 +84,18 @@ def agreed_distributed(cfg: JobConfig, dim: int, scale: float, max_epsilon: floa
 def charge_distributed(cfg: JobConfig, context: Context, owner: int, instruction: Instruction,
                        dim: int, scale: float, session: str) -> SkellamPlan:
     """Check the instruction against the owner's own plan and ledger, charge and save
-    the ledger (:func:`flwr_jdp.privacy.guard.charge`), and return the plan whose noise
-    share the owner adds. Raises :class:`~flwr_jdp.privacy.guard.InstructionRefused`."""
+    the ledger (:func:`flwr_jdp.privacy.guard.charge`) in its node's policy's terms,
+    and return the plan whose noise share the owner adds: the run's share, never less
+    than ``mu`` over the policy's ``honest-owners``. Raises
+    :class:`~flwr_jdp.privacy.guard.InstructionRefused`."""
     from flwr_jdp.privacy.guard import InstructionRefused
 
     if not (np.isfinite(scale) and scale >= 1.0 / cfg.clipping_norm):
         raise InstructionRefused(f"scale {scale!r} is not a number >= 1 / clipping-norm")
-    cap = context.node_config.get("max-epsilon")
-    agreed = agreed_distributed(cfg, dim, scale, None if cap is None else float(cap))
+    policy = owner_policy(context, cfg)
+    agreed = agreed_distributed(cfg, dim, scale, policy.max_epsilon, policy.delta)
     charge(context, OWNER_LEDGERS, {owner: (agreed, instruction)}, cfg.privacy_unit, note=f"session {session}")
-    return owner_plan(cfg, instruction.noise_multiplier, dim, scale)
+    return owner_plan(cfg, instruction.noise_multiplier, dim, scale).with_honest_floor(policy.honest_owners)
 
 
 class UnitEncoder:

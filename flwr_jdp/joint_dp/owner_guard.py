@@ -9,10 +9,13 @@ accept from what it knows itself, before any data is touched:
 - the run config it was started with (unit, batch size, epochs, rounds, target
   epsilon, delta, accountant, and ``noise-multiplier`` when it is fixed),
 - its own data size (records and users),
-- optionally its node's own cap, node config ``max-epsilon`` (the owner's budget
-  is then the smaller of that and the run's ``target-epsilon``). The owner reports
-  the cap at set-up and the server asks it for a noise multiplier calibrated for
-  it (:mod:`flwr_jdp.joint_dp.budgets`); the check below is the same either way.
+- its node's policy (:mod:`flwr_jdp.privacy.policy`, :func:`owner_policy`): the
+  run's delta, unit, relation and noise placement must be the policy's, its ledger
+  is accounted at the policy's delta, and its budget is the smaller of the policy's
+  ``max-epsilon`` and the run's ``target-epsilon``. The owner reports the cap at
+  set-up and the server asks it for a noise multiplier calibrated for it
+  (:mod:`flwr_jdp.joint_dp.budgets`); the check below is the same either way. A node
+  without a policy trusts the run config with all of these.
 
 From these it computes the schedule the server must follow (:class:`AgreedRelease`,
 the same formula as :func:`flwr_jdp.joint_dp.schedule.build_schedule`) and refuses,
@@ -31,13 +34,18 @@ drops the owner for the round).
 The check, the ledger and where it is kept are the shared guard of
 :mod:`flwr_jdp.privacy.guard` (subject-level silos use the same); this module derives
 an owner's agreement from its run config and size. The ledger on the node's disk is
-keyed by the node's ``state-dir``, the owner and the privacy unit, never by the
-session the server names (:mod:`flwr_jdp.joint_dp.owner_store`).
+keyed by the node's ``state-dir`` and the owner only, never by the session or terms
+the server names (:mod:`flwr_jdp.joint_dp.owner_store`).
 """
 
 from __future__ import annotations
 
-from flwr_jdp.joint_dp.config import JobConfig
+from collections.abc import Mapping
+from typing import Any
+
+from flwr.app import Context
+
+from flwr_jdp.joint_dp.config import NAMESPACE, JobConfig
 from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule
 from flwr_jdp.privacy.guard import (
     SELF_SCOPE,
@@ -47,15 +55,38 @@ from flwr_jdp.privacy.guard import (
     InstructionRefused,
     PartyLedger,
 )
+from flwr_jdp.privacy.policy import OwnerPolicy, RunTerms, run_policy
 from flwr_jdp.privacy.units import NoisePlacement
 
 #: An owner's own ledger (the shared guard's party ledger, worded for an owner).
 OwnerLedger = PartyLedger
 
 
-def agreed_release(cfg: JobConfig, size: OwnerSize, max_epsilon: float | None = None) -> AgreedRelease:
+#: The run-config key of each term of a run a policy checks (:class:`RunTerms`).
+TERM_KEYS = {"delta": "delta", "unit": "privacy-unit", "neighbouring": "neighbouring",
+             "placement": "noise-placement", "private": "method"}
+
+
+def run_terms(cfg: JobConfig, run_config: Mapping[str, Any]) -> RunTerms:
+    """What the run ``cfg`` asks of an owner, each term named by the run-config key as
+    the run config spells it (``jdp.<key>`` in a user's app)."""
+    keys = {t: f"{NAMESPACE}.{k}" if f"{NAMESPACE}.{k}" in run_config else k for t, k in TERM_KEYS.items()}
+    return RunTerms(target_epsilon=float(cfg.target_epsilon), delta=float(cfg.delta), unit=cfg.privacy_unit,
+                    neighbouring=cfg.neighbouring, placement=cfg.noise_placement, private=cfg.dp, keys=keys)
+
+
+def owner_policy(context: Context, cfg: JobConfig) -> OwnerPolicy:
+    """The policy the run ``cfg`` is held to on this owner's node
+    (:func:`flwr_jdp.privacy.policy.run_policy`): raises :class:`InstructionRefused`
+    if the run breaks it."""
+    return run_policy(context.node_config, run_terms(cfg, context.run_config))
+
+
+def agreed_release(cfg: JobConfig, size: OwnerSize, max_epsilon: float | None = None,
+                   delta: float | None = None) -> AgreedRelease:
     """The release an owner of ``size`` accepts under the run config ``cfg`` (local
-    noise), with its budget capped by its node's ``max_epsilon`` if given."""
+    noise), with its budget capped by its node's ``max_epsilon`` if given, accounted
+    at its policy's ``delta`` (default: the run's)."""
     if cfg.placement is not NoisePlacement.LOCAL:
         raise ValueError("owners check the server's instructions under local noise only")
     schedule = build_schedule(cfg, {0: size})
@@ -63,10 +94,10 @@ def agreed_release(cfg: JobConfig, size: OwnerSize, max_epsilon: float | None = 
     return AgreedRelease(
         unit=cfg.unit, max_sample_rate=float(schedule.owner_rates[0]),
         max_steps=int(schedule.owner_steps[0]), fixed_noise=float(cfg.noise_multiplier),
-        rounds=int(cfg.num_rounds), budget=float(budget), delta=float(cfg.delta),
+        rounds=int(cfg.num_rounds), budget=float(budget), delta=float(cfg.delta if delta is None else delta),
         accountant=cfg.accountant, neighbouring=cfg.neighbouring,
     )
 
 
-__all__ = ["SELF_SCOPE", "TOLERANCE", "AgreedRelease", "Instruction", "InstructionRefused", "OwnerLedger",
-           "agreed_release"]
+__all__ = ["SELF_SCOPE", "TERM_KEYS", "TOLERANCE", "AgreedRelease", "Instruction", "InstructionRefused",
+           "OwnerLedger", "agreed_release", "owner_policy", "run_terms"]

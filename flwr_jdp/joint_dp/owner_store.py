@@ -11,11 +11,12 @@ instruction and is kept by the server across restarts), so that after the
 ServerApp is killed and the run resumed the owners continue from their personal
 state; a new session starts from the public initial values.
 
-The owner's own ledger does not depend on the session: it is kept in
-``<path>/owners-<unit>-<neighbouring>/ledger-<o>.json``
-(:class:`flwr_jdp.privacy.guard.LedgerStore`), so that a server naming a new session
-after a SuperNode restart finds every release the owner made and cannot spend its
-budget again. Used by every joint-DP ClientApp, the drop-in client half included.
+The owner's own ledger depends neither on the session nor on the run's terms: it
+is kept in ``<path>/owners/ledger-<o>.json``
+(:class:`flwr_jdp.privacy.guard.LedgerStore`), in its node's policy's unit, relation
+and delta (:mod:`flwr_jdp.privacy.policy`), so that a server naming a new session
+after a SuperNode restart, or a new run with other terms, finds every release the
+owner made and cannot spend its budget again. Used by every joint-DP ClientApp, the drop-in client half included.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.budgets import node_max_epsilon
 from flwr_jdp.joint_dp.config import JobConfig
 from flwr_jdp.joint_dp.owner_guard import (
     AgreedRelease,
@@ -38,6 +38,7 @@ from flwr_jdp.joint_dp.owner_guard import (
     InstructionRefused,
     OwnerLedger,
     agreed_release,
+    owner_policy,
 )
 from flwr_jdp.joint_dp.schedule import OwnerSize
 from flwr_jdp.privacy.guard import LedgerStore, charge
@@ -127,7 +128,7 @@ def trained_rounds(context: Context, owner_id: int, session: str = "") -> int:
 
 
 #: Where owners keep their own ledgers: ``context.state["ledger.<o>"]`` and
-#: ``<state-dir>/owners-<unit>-<neighbouring>/ledger-<o>.json``.
+#: ``<state-dir>/owners/ledger-<o>.json``.
 OWNER_LEDGERS = LedgerStore(party="owner", state_key="ledger")
 
 
@@ -206,16 +207,19 @@ def read_instructions(cfg: JobConfig, cfg_rec: ConfigRecord, owners: list[int]) 
 
 def charge_owners(cfg: JobConfig, context: Context, sizes: dict[int, OwnerSize],
                   instructions: dict[int, Instruction], session: str) -> None:
-    """Local noise: every owner checks its instruction against what it agreed to and
-    against its own ledger, then records the release in its ledger and saves it,
-    before anything is trained (:func:`flwr_jdp.privacy.guard.charge`). Any refusal
-    refuses the whole message (nothing is recorded, trained or sent). ``session`` is
-    noted in the ledger; it does not select it. Each owner's budget is
-    ``min(max-epsilon, target-epsilon)``, its node's cap (node config ``max-epsilon``)
-    if it sets one (:func:`flwr_jdp.joint_dp.budgets.node_max_epsilon`)."""
+    """Every placement: the run is held to the node's policy before any data is read
+    (:func:`~flwr_jdp.joint_dp.owner_guard.owner_policy`; :class:`InstructionRefused`
+    if it breaks it). Local noise: every owner then checks its instruction against what
+    it agreed to and against its own ledger, then records the release in its ledger
+    and saves it, before anything is trained (:func:`flwr_jdp.privacy.guard.charge`).
+    Any refusal refuses the whole message (nothing is recorded, trained or sent).
+    ``session`` is noted in the ledger; it does not select it. Each owner's budget is
+    ``min(max-epsilon, target-epsilon)`` with its node's policy, accounted at the
+    policy's delta (distributed noise charges in
+    :func:`~flwr_jdp.joint_dp.distributed.charge_distributed`)."""
+    policy = owner_policy(context, cfg)
     if not (cfg.dp and cfg.placement is NoisePlacement.LOCAL):
         return
-    cap = node_max_epsilon(context.node_config)
-    requests = {o: (agreed_release(cfg, sizes[o], cap), instruction)
+    requests = {o: (agreed_release(cfg, sizes[o], policy.max_epsilon, policy.delta), instruction)
                 for o, instruction in instructions.items()}
     charge(context, OWNER_LEDGERS, requests, cfg.privacy_unit, note=f"session {session}")

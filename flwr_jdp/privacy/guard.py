@@ -20,15 +20,19 @@ the node trains nothing, sends nothing, and replies with an error naming the rea
 (:class:`InstructionRefused`).
 
 The ledger lives in ``context.state`` and, when the node config sets ``state-dir``,
-in ``<state-dir>/<party>s-<unit>-<neighbouring>/ledger-<id>.json``
-(:class:`LedgerStore`). The path depends only on what the node controls: its
-``state-dir``, the party's id, and the privacy unit and neighbouring relation that
-give the ledger's epsilon its meaning. It does not depend on the session or round the
-server names, nor on the noise, rates or rounds of the run: a server that announces a
-new session, or a new run on the same node, finds the party's spent epsilon where it
-left it. A node operator who means to start a new budget points ``state-dir``
-elsewhere. The ledger's delta and accountant are those of the current run (the
-recorded events are re-accounted with them).
+in ``<state-dir>/<party>s/ledger-<id>.json`` (:class:`LedgerStore`): one file per
+party, whatever the run's unit, neighbouring relation or delta. The path depends only
+on what the node controls, its ``state-dir`` and the party's id, never on the session,
+round, noise, rates or terms a run names: a server that announces a new session, or a
+new run on the same node, finds the party's spent epsilon where it left it. The ledger
+records the terms it counts in, the node's policy's unit, relation and delta
+(:mod:`flwr_jdp.privacy.policy`), and is always accounted at that delta; a ledger
+recorded in other terms is refused, not re-read (the release could not be charged in
+the policy's terms), and so is a ledger of the layout before this one
+(``<party>s-<unit>-<neighbouring>/``), named by its path: its operator moves it to the
+new path if its unit and relation are the policy's. A node operator who means to
+start a new budget points ``state-dir`` elsewhere. The accountant is the run's (every
+accountant here gives a valid upper bound).
 
 Used by JointDP's owners (:mod:`flwr_jdp.joint_dp.owner_guard`,
 :mod:`flwr_jdp.joint_dp.owner_store`) and subject-level silos
@@ -162,8 +166,8 @@ class PartyLedger:
         self.ledger = PrivacyLedger(delta=delta, accountant=accountant, unit=unit, budget=budget,
                                     neighbouring=neighbouring)
         if state:
-            # the events are re-accounted at this run's delta with this run's accountant
-            self.ledger.load_state_dict(dict(state, delta=delta, accountant=accountant))
+            # the events are re-accounted with this run's accountant, at the ledger's own delta
+            self.ledger.load_state_dict(dict(state, accountant=accountant))
 
     @classmethod
     def from_json(cls, text: str | None, agreed: AgreedRelease, unit: str) -> PartyLedger:
@@ -209,37 +213,56 @@ class PartyLedger:
 class LedgerStore:
     """Where the parties of one kind (``party``: ``owner``, ``silo``) keep their
     ledgers on a node: ``context.state[<state_key>.<id>]``, and
-    ``<state-dir>/<party>s-<unit>-<neighbouring>/ledger-<id>.json`` when the node
-    config sets ``state-dir``."""
+    ``<state-dir>/<party>s/ledger-<id>.json`` when the node config sets ``state-dir``."""
 
     party: str
     state_key: str
 
-    def path(self, context: Context, party_id: int, unit: str, neighbouring: str) -> Path | None:
+    def path(self, context: Context, party_id: int) -> Path | None:
         """The ledger's file on the node's disk (None without a ``state-dir``)."""
         root = context.node_config.get("state-dir")
         if not root:
             return None
-        return Path(str(root)) / f"{self.party}s-{unit}-{neighbouring}" / f"ledger-{int(party_id)}.json"
+        return Path(str(root)) / f"{self.party}s" / f"ledger-{int(party_id)}.json"
 
     def load(self, context: Context, party_id: int, agreed: AgreedRelease, unit: str) -> PartyLedger:
         """The party's record of its releases: ``context.state`` (this Flower run),
         else the node's ``state-dir`` (after a restart, whatever session or run the
-        server names now), else empty."""
+        server names now), else empty. Refused (:class:`InstructionRefused`) if it
+        counts in other terms than ``agreed``'s (unit, relation, delta), or if the
+        ``state-dir`` holds the party's ledger in the old layout."""
         key = f"{self.state_key}.{int(party_id)}"
+        path = self.path(context, party_id)
+        where = "this run's ledger"
         text = None
+        if path is not None:
+            old = sorted(path.parent.parent.glob(f"{self.party}s-*/{path.name}"))
+            if old:
+                raise InstructionRefused(
+                    f"{self.party} {party_id}'s ledger is in the old layout at {old[0]}: move it to {path} if it "
+                    f"counts in this node's policy's unit and relation ({unit}, {agreed.neighbouring}); otherwise "
+                    "its releases cannot be charged in the policy's terms (point state-dir elsewhere only to "
+                    "start a new budget knowingly)")
         if key in context.state:
             text = str(context.state[key]["state"])
-        else:
-            path = self.path(context, party_id, unit, agreed.neighbouring)
-            if path is not None and path.is_file():
-                text = path.read_text()
-        return PartyLedger.from_json(text, agreed, unit)
+        elif path is not None and path.is_file():
+            text, where = path.read_text(), str(path)
+        state = json.loads(text) if text else None
+        if state:
+            terms = {"unit": str(unit), "neighbouring": agreed.neighbouring, "delta": float(agreed.delta)}
+            recorded = {"neighbouring": "add-remove", **{k: state[k] for k in terms if k in state}}
+            wrong = [f"{k}={recorded.get(k)!r} (policy: {v!r})" for k, v in terms.items() if recorded.get(k) != v]
+            if wrong:
+                raise InstructionRefused(f"{self.party} {party_id}'s ledger ({where}) counts in other terms than "
+                                         f"this node's policy: {', '.join(wrong)}; its releases cannot be charged "
+                                         "in the policy's terms")
+        return PartyLedger(agreed.budget, agreed.delta, agreed.accountant, unit, state, agreed.neighbouring,
+                           agreed.party)
 
     def save(self, context: Context, party_id: int, ledger: PartyLedger) -> None:
         """Keep the party's ledger in ``context.state`` and on the node's disk."""
         context.state[f"{self.state_key}.{int(party_id)}"] = ConfigRecord({"state": ledger.to_json()})
-        path = self.path(context, party_id, ledger.ledger.unit, ledger.ledger.neighbouring)
+        path = self.path(context, party_id)
         if path is not None:
             ledger.save(path)
 

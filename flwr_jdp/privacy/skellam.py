@@ -36,6 +36,7 @@ Unit, sensitivity, noise, in one place
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -164,6 +165,14 @@ class SkellamPlan:
         """Each owner's share: the honest survivors bring ``mu`` even if only
         ``min_survivors - colluding`` of them are honest and alive."""
         return self.mu / (self.min_survivors - self.colluding)
+
+    def with_honest_floor(self, honest: int | None) -> SkellamPlan:
+        """The plan of an owner that assumes at least ``honest`` honest owners (itself
+        included) whose shares reach the sum, whatever the run config says: its share
+        is ``mu / min(min_survivors - colluding, honest)`` (``honest`` None: the run's)."""
+        if honest is None or honest >= self.min_survivors - self.colluding:
+            return self
+        return dataclasses.replace(self, colluding=self.min_survivors - int(honest))
 
     def event(self, sample_rate: float) -> dpa.DpEvent:
         """The round's release as the server (and any coalition) sees it: the honest

@@ -23,8 +23,15 @@ derive from its run config, with the shared guard of :mod:`flwr_jdp.privacy.guar
   ``noise-multiplier``, a positive one otherwise; its ledger records its heaviest
   subject's releases, with no budget.
 
-Every release is charged to the silo's ledger, and the ledger saved (``context.state``;
-``<state-dir>/silos-<unit>-add-remove/ledger-<silo>.json`` with node config
+Every run is first held to the node's policy (:mod:`flwr_jdp.privacy.policy`,
+:func:`silo_policy`: the run's ``delta``, its unit, ``subject`` or ``record`` for
+``local-item-dp``, the add-remove relation; a policy's unit defaults to ``subject``
+for silos), at set-up and at every train message. Under a node's policy the silo's
+budget is ``min(max-epsilon, its share of the plan)``, its ledger is accounted at the
+policy's delta, and what it cannot charge in the policy's terms is refused: the
+reported-counts mode (its set-up sends subject counts) and ``local-group-dp``'s
+data-dependent noise. Every release is charged to the silo's ledger, and the ledger
+saved (``context.state``; ``<state-dir>/silos/ledger-<silo>.json`` with node config
 ``state-dir``), before the silo trains. A refusal fails closed: no silo of the message
 trains, nothing is charged or sent, and the node replies with an error naming the
 reason. ``fedavg`` has no privacy to guard (its models are sent un-noised).
@@ -43,13 +50,14 @@ from ..privacy import events as ev
 from ..privacy.accountants import epsilon
 from ..privacy.guard import AgreedRelease, Instruction, InstructionRefused, LedgerStore, charge
 from ..privacy.horizontal import SiloRelease
+from ..privacy.policy import OwnerPolicy, RunTerms, run_policy
 from . import silo_data as sd
 from .config import SubjectDPConfig
 from .plan import make_plan, over_target, sample_rates, schedule
 from .protocol import CALIBRATION_STEPS, NOISE_MULTIPLIER, ROUND, SAMPLE_RATES, SILOS
 
 #: Where silos keep their own ledgers: ``context.state["silo-ledger.<i>"]`` and
-#: ``<state-dir>/silos-<unit>-add-remove/ledger-<i>.json``.
+#: ``<state-dir>/silos/ledger-<i>.json``.
 SILO_LEDGERS = LedgerStore(party="silo", state_key="silo-ledger")
 
 #: The keys every train instruction must carry (a missing one is refused, never defaulted).
@@ -161,18 +169,40 @@ def read_instructions(cfg: SubjectDPConfig, conf: object, hosted: set[int]) -> t
     return {i: Instruction(rnd, q, cfg.local_steps, z) for i, q in zip(silos, rates) if i in hosted}, steps
 
 
+def silo_policy(context: Context, cfg: SubjectDPConfig) -> OwnerPolicy:
+    """The policy the run ``cfg`` is held to on this silo's node
+    (:func:`flwr_jdp.privacy.policy.run_policy`); under a node's own policy the
+    reported-counts mode is refused. Raises :class:`InstructionRefused`."""
+    terms = RunTerms(target_epsilon=float(cfg.target_epsilon), delta=float(cfg.delta), unit=_unit(cfg),
+                     neighbouring="add-remove", placement="local", private=cfg.private,
+                     keys={"unit": "method", "placement": "method", "private": "method"})
+    policy = run_policy(context.node_config, terms, party="silo", default_unit="subject")
+    if not policy.trusts_run and not cfg.public_cap:
+        raise InstructionRefused(f"run-config key 'max-records-per-subject'={cfg.max_records_per_subject} (reported "
+                                 f"counts: the set-up sends every silo's subject counts, not DP); this node's policy "
+                                 f"({policy.source}) accepts DP runs only")
+    return policy
+
+
 def charge_silos(cfg: SubjectDPConfig, context: Context, conf: object, hosted: set[int],
                  accountant: str = "pld") -> tuple[dict[int, Instruction], int]:
     """Read the train instruction, check every hosted silo's part against its agreement
     and its own ledger, and charge and save each ledger, all before any silo trains.
+    The run is first held to the node's policy (:func:`silo_policy`): each silo's
+    budget is then at most the policy's ``max-epsilon``, at the policy's delta.
     Returns each hosted silo's instruction and the calibration steps; raises
     :class:`~flwr_jdp.privacy.guard.InstructionRefused` (nothing charged) otherwise."""
+    policy = silo_policy(context, cfg)
     instructions, calibration_steps = read_instructions(cfg, conf, hosted)
     if not cfg.private or not instructions:
         return instructions, calibration_steps
     requests = {}
     for i, instruction in instructions.items():
         agreed = silo_agreement(cfg, i, accountant)
+        if not (policy.trusts_run or agreed.noise_in_instruction):
+            raise InstructionRefused(f"silo {i}: run-config key 'group-size'=0 (local-group-dp's data-dependent "
+                                     f"noise) cannot be charged in this node's policy's terms ({policy.source})")
+        agreed = replace(agreed, budget=policy.budget(agreed.budget), delta=policy.delta)
         if not agreed.refusal and calibration_steps != agreed.calibration_steps:
             raise InstructionRefused(
                 f"silo {i}: calibration-steps {calibration_steps}, agreed {agreed.calibration_steps} "
@@ -183,4 +213,4 @@ def charge_silos(cfg: SubjectDPConfig, context: Context, conf: object, hosted: s
 
 
 __all__ = ["INSTRUCTION_KEYS", "SILO_LEDGERS", "SiloAgreement", "cap_agreement", "charge_silos",
-           "read_instructions", "reported_agreement", "silo_agreement"]
+           "read_instructions", "reported_agreement", "silo_agreement", "silo_policy"]

@@ -31,7 +31,7 @@ from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import parse_subject_config
 from flwr_jdp.subject.group_privacy import group_noise_multiplier
 from flwr_jdp.subject.protocol import CONFIG, MODEL, SETUP, SILOS, STATS, load_arrays, model_arrays, silo_key
-from flwr_jdp.subject.silo_guard import charge_silos
+from flwr_jdp.subject.silo_guard import charge_silos, silo_policy
 from flwr_jdp.subject.task import build_subject_model
 from flwr_jdp.training.subject_level import BatchStats, SiloPlan, train_silo_round
 
@@ -48,8 +48,15 @@ def _hosted(context: Context, num_silos: int) -> list[int]:
 def setup(msg: Message, context: Context) -> Message:
     """List this node's silos (node configuration, not data). Only in the
     reported-counts mode (``max-records-per-subject = 0``, not DP) also each silo's
-    subject ids and per-subject record counts; the public-cap mode sends nothing else."""
+    subject ids and per-subject record counts; the public-cap mode sends nothing else.
+    A run the node's policy refuses (:func:`~flwr_jdp.subject.silo_guard.silo_policy`)
+    gets an error reply naming the run-config key, before any count is read."""
     cfg = parse_subject_config(context.run_config)
+    try:
+        silo_policy(context, cfg)
+    except InstructionRefused as err:
+        log(WARNING, "Refused the run at set-up: %s", err)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"refused: {err}"), reply_to=msg)
     silos = _hosted(context, cfg.num_silos)
     content = RecordDict({SETUP: ConfigRecord({SILOS: silos})})
     for i in silos if not cfg.public_cap else ():
