@@ -52,7 +52,10 @@ class _Tampering(JointDP):
 
 
 def _run(run_config, node_configs, tmp_path, tamper=None, nodes=2):
-    node_configs = {i: {"state-dir": str(tmp_path / f"node-{i}"), **node_configs.get(i, {})} for i in range(nodes)}
+    # a node with a cap has a policy: it accepts this test's seeded noise only when the policy says so
+    node_configs = {i: {"state-dir": str(tmp_path / f"node-{i}"), **node_configs.get(i, {}),
+                        **({"seeded-noise": True} if "max-epsilon" in node_configs.get(i, {}) else {})}
+                    for i in range(nodes)}
     grid = InProcessGrid(client_app, nodes, run_config, node_configs=node_configs)
     cfg = parse_config(run_config)
     strategy = _Tampering(cfg, tamper) if tamper else JointDP(cfg, node_settle_s=0.0)

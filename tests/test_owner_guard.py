@@ -142,7 +142,7 @@ def test_a_node_cap_below_the_run_target_refuses_a_server_that_ignores_it(run_co
     a server that ignores it and sends the run's multiplier is refused."""
     monkeypatch.setattr(JointDP, "_plan_owner_budgets", lambda self: None)
     run_config.update({"noise-multiplier": 0.0, "target-epsilon": 8.0})
-    _, grid = _run(run_config, lambda *_: None, node_config={"max-epsilon": 1.0})
+    _, grid = _run(run_config, lambda *_: None, node_config={"max-epsilon": 1.0, "seeded-noise": True})
     replies = _train_replies(grid)
     assert replies and all(r.has_error() and "owner's budget 1" in r.error.reason for r in replies)
 

@@ -77,7 +77,9 @@ def _stalled(rc: dict, nodes: int, node_config: dict, fault=None) -> InProcessGr
 
 
 def _node(tmp_path, **policy: object) -> dict:
-    return {"state-dir": str(tmp_path / "node"), **policy}
+    """A node; a policy in its node config accepts the tests' seeded noise (``seeded-noise``) unless told otherwise."""
+    seeded = {"seeded-noise": True} if "max-epsilon" in policy else {}
+    return {"state-dir": str(tmp_path / "node"), **seeded, **policy}
 
 
 def _ledger_epsilon(path, delta: float = DELTA) -> float:
@@ -177,7 +179,7 @@ def test_a_larger_target_epsilon_does_not_raise_the_policys_budget(tmp_path):
     cap (its set-up replies report none), so it sends the noise of epsilon 100: every
     owner refuses, and no ledger holds anything."""
     policy = tmp_path / "policy.toml"
-    policy.write_text(f"max-epsilon = {CAP}\ndelta = {DELTA}\n")
+    policy.write_text(f"max-epsilon = {CAP}\ndelta = {DELTA}\nseeded-noise = true\n")
 
     def hide_cap(msg, reply):  # noqa: ANN001, ANN202
         if msg.metadata.message_type == MessageType.QUERY and not reply.has_error():
@@ -199,7 +201,7 @@ def _shares(monkeypatch, tmp_path, nodes: int, honest: int, **run: object) -> tu
     spy = Spy(monkeypatch)
     rc = _rc(nodes, **{"results-dir": str(tmp_path / "results"), "noise-multiplier": 0.5, "target-epsilon": 1e6,
                        "num-rounds": 2, **run})
-    _start(rc, nodes, {"max-epsilon": 1e6, "honest-owners": honest})
+    _start(rc, nodes, {"max-epsilon": 1e6, "honest-owners": honest, "seeded-noise": True})
     variances = [float(np.var(np.concatenate([a.ravel() for a in v["noise"]]))) for v in spy.vectors]
     assert len(variances) == 2 * nodes
     return variances, spy.vectors[0]["plan"].mu
@@ -239,8 +241,23 @@ def test_central_noise_is_refused_unless_the_policy_names_it(tmp_path):
                    "results-dir": str(tmp_path / "results")})
     with pytest.raises(RuntimeError, match=r"refused: run-config key 'jdp.noise-placement'='central', this node's "
                                            r"policy \(node config\) allows \['local', 'distributed'\]"):
-        _start(rc, 3, {"max-epsilon": 8.0})
-    strategy, _ = _start(rc, 3, {"max-epsilon": 8.0, "noise-placements": "local,central"})
+        _start(rc, 3, {"max-epsilon": 8.0, "seeded-noise": True})
+    strategy, _ = _start(rc, 3, {"max-epsilon": 8.0, "noise-placements": "local,central", "seeded-noise": True})
+    assert strategy.status == "completed"
+
+
+def test_a_seeded_or_unnoised_run_is_refused_under_a_policy(tmp_path):
+    """A run submitter who seeds the noise (``noise-seed``) could subtract it; one who asks
+    for FedAvg (``method``) would get the raw model: both refused at set-up, nothing charged."""
+    node = _node(tmp_path, **{"max-epsilon": 8.0, "seeded-noise": False})
+    rc = _local(3, **{"noise-seed": 7, "results-dir": str(tmp_path / "r1")})
+    with pytest.raises(RuntimeError, match=r"refused: run-config key 'jdp.noise-seed'=7 makes the noise reproducible"):
+        _start(rc, 3, node)
+    rc = _local(3, **{"method": "fedavg", "results-dir": str(tmp_path / "r2")})
+    with pytest.raises(RuntimeError, match=r"refused: the run releases without noise \(run-config key 'jdp.method'\)"):
+        _start(rc, 3, node)
+    assert not _ledger_files(tmp_path)
+    strategy, _ = _start(_local(3, **{"noise-seed": -1, "results-dir": str(tmp_path / "r3")}), 3, node)
     assert strategy.status == "completed"
 
 
@@ -290,7 +307,7 @@ def test_on_a_real_supernode_without_a_policy_the_owner_refuses_unless_opted_in(
     reply = _on_supernode(monkeypatch, tmp_path, user_app(), *_query({}))
     assert reply.has_error() and "refused: this SuperNode names no policy" in reply.error.reason
     assert "policy=\"trust-run\"" in reply.error.reason and "max-epsilon" in reply.error.reason
-    for node_config in ({"policy": "trust-run"}, {"max-epsilon": 2.0}):
+    for node_config in ({"policy": "trust-run"}, {"max-epsilon": 2.0, "seeded-noise": True}):
         reply = _on_supernode(monkeypatch, tmp_path, user_app(), *_query(node_config))
         assert not reply.has_error(), reply.error.reason
         assert list(reply.content[protocol.SETUP][protocol.MAX_EPSILON]) == [node_config.get("max-epsilon", 0.0)]

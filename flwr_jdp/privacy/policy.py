@@ -12,11 +12,12 @@ file that node config ``policy-file`` names (the same keys, one per line)::
     neighbouring = "add-remove"              # add-remove | replace-one (default add-remove)
     noise-placements = ["local", "distributed"]  # and "central", only if named (default local and distributed)
     honest-owners = 3                        # distributed noise: honest owners whose shares reach the sum (default 1)
+    seeded-noise = false                     # true accepts a run's noise-seed (reproducible noise: tests only)
 
 Every run is held to it at set-up and again at every train message, before any data
 is read (:func:`run_policy`): the run's ``delta`` must be the policy's, its privacy
 unit and neighbouring relation the policy's, its noise placement one the policy
-allows, and the run must be private at all; otherwise the owner refuses, naming the
+allows, and the run must be private at all, with unseeded noise; otherwise the owner refuses, naming the
 run-config key and the policy's value. The owner's budget is ``min(max-epsilon, the
 run's target-epsilon)``: a run cannot raise it. Its ledger is one file per owner
 whatever the run (:class:`~flwr_jdp.privacy.guard.LedgerStore`), recording the
@@ -77,7 +78,8 @@ FILE_KEY = "policy-file"
 MODE_KEY = "policy"
 TRUST_RUN = "trust-run"
 #: The policy's keys, in the node config or the policy file.
-KEYS = ("max-epsilon", "delta", "privacy-unit", "neighbouring", "noise-placements", "honest-owners")
+KEYS = ("max-epsilon", "delta", "privacy-unit", "neighbouring", "noise-placements", "honest-owners",
+        "seeded-noise")
 #: The delta of a policy that names a cap but no delta.
 DEFAULT_DELTA = 1e-5
 RELATIONS = ("add-remove", "replace-one")
@@ -98,6 +100,7 @@ _LOGGED: set[str] = set()  # the trust-run lines this process has logged
 class RunTerms:
     """What a run asks of a party: its target, delta, unit, relation and placement;
     ``private`` False for a run that releases without noise (FedAvg baselines);
+    ``noise_seed`` >= 0 for a run whose noise is seeded (reproducible by the submitter);
     ``keys`` maps each term to the run-config key a refusal names."""
 
     target_epsilon: float
@@ -106,6 +109,7 @@ class RunTerms:
     neighbouring: str
     placement: str
     private: bool = True
+    noise_seed: int = -1
     keys: Mapping[str, str] | None = None
 
     def key(self, term: str) -> str:
@@ -124,6 +128,7 @@ class OwnerPolicy:
     neighbouring: str = "add-remove"
     noise_placements: tuple[str, ...] = DEFAULT_PLACEMENTS
     honest_owners: int | None = 1
+    seeded_noise: bool = False
     source: str = "node config"
 
     @property
@@ -192,9 +197,13 @@ class OwnerPolicy:
         if isinstance(honest, bool) or not isinstance(honest, int) or honest < 1:
             raise bad("honest-owners", "an integer >= 1 (the fewest honest owners, this one included, whose "
                       "noise shares reach a distributed sum)")
+        seeded = values.get("seeded-noise", False)
+        if not isinstance(seeded, bool):
+            raise bad("seeded-noise", "true or false (true accepts a run whose noise-seed is set: reproducible "
+                      "noise, for tests only)")
         return cls(max_epsilon=cap, delta=delta, privacy_unit=str(unit), neighbouring=str(relation),
                    noise_placements=tuple(dict.fromkeys(str(p) for p in placements)), honest_owners=int(honest),
-                   source=source)
+                   seeded_noise=seeded, source=source)
 
     @classmethod
     def trusting(cls, terms: RunTerms) -> OwnerPolicy:
@@ -202,7 +211,7 @@ class OwnerPolicy:
         and distributed share sizes (no floor)."""
         return cls(max_epsilon=None, delta=float(terms.delta), privacy_unit=str(terms.unit),
                    neighbouring=str(terms.neighbouring), noise_placements=(str(terms.placement),),
-                   honest_owners=None, source=f"the run config ({TRUST_RUN})")
+                   honest_owners=None, seeded_noise=True, source=f"the run config ({TRUST_RUN})")
 
     # ------------------------------------------------------------------ using
     def refusal(self, terms: RunTerms) -> str | None:
@@ -210,6 +219,11 @@ class OwnerPolicy:
         if not terms.private:
             return (f"the run releases without noise (run-config key '{terms.key('private')}'); this node's policy "
                     f"({self.source}) accepts private runs only")
+        if int(terms.noise_seed) >= 0 and not self.seeded_noise:
+            return (f"run-config key '{terms.key('noise_seed')}'={terms.noise_seed} makes the noise reproducible by "
+                    f"whoever submits the run (who could then subtract it); this node's policy ({self.source}) "
+                    "accepts only noise drawn from the OS CSPRNG (noise-seed = -1; policy key 'seeded-noise' = true allows "
+                    "seeded noise, for tests)")
         if not math.isclose(float(terms.delta), self.delta, rel_tol=1e-9, abs_tol=0.0):
             return (f"run-config key '{terms.key('delta')}'={terms.delta!r}, this node's policy ({self.source}) "
                     f"accounts its ledger at delta = {self.delta!r}")

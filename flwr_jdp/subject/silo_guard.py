@@ -175,7 +175,8 @@ def silo_policy(context: Context, cfg: SubjectDPConfig) -> OwnerPolicy:
     reported-counts mode is refused. Raises :class:`InstructionRefused`."""
     terms = RunTerms(target_epsilon=float(cfg.target_epsilon), delta=float(cfg.delta), unit=_unit(cfg),
                      neighbouring="add-remove", placement="local", private=cfg.private,
-                     keys={"unit": "method", "placement": "method", "private": "method"})
+                     noise_seed=int(cfg.noise_seed),
+                     keys={"unit": "method", "placement": "method", "private": "method", "noise_seed": "noise-seed"})
     policy = run_policy(context.node_config, terms, party="silo", default_unit="subject")
     if not policy.trusts_run and not cfg.public_cap:
         raise InstructionRefused(f"run-config key 'max-records-per-subject'={cfg.max_records_per_subject} (reported "
