@@ -10,9 +10,11 @@ written here. It differs from Flower's workflow where JointDP needs it:
 
 - every node is every other node's neighbour (SecAgg's full graph), and the
   reconstruction threshold is the fewest survivors the round accepts, never below 3
-  (:data:`~flwr_jdp.joint_dp.distributed.MIN_NODES`: Flower seeds each mask's
+  (:data:`~flwr_jdp.joint_dp.secure_sum.MIN_NODES`: Flower seeds each mask's
   generator with 32 bits of its key, so with two survivors one unknown mask would
-  hide a node's vector);
+  hide a node's vector) and always more than half the nodes
+  (:func:`~flwr_jdp.joint_dp.secure_sum.minimum_threshold`, the rule every node
+  checks: no two disjoint sets of nodes both reach it);
 - the unmasked result is the sum modulo ``M`` of the nodes' integer vectors, returned
   as such (JointDP decodes it; Flower's workflow dequantises to floats and divides
   by the total weight);
@@ -45,7 +47,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
-from flwr_jdp.joint_dp.distributed import MIN_NODES
+from flwr_jdp.joint_dp.secure_sum import MIN_NODES, minimum_threshold
 
 
 @dataclass
@@ -97,7 +99,7 @@ class SecureSum:
         dropped: dict[int, str] = {}
         if len(nodes) < MIN_NODES:
             return SecureSumResult(None, [], {}, f"secure aggregation needs at least {MIN_NODES} nodes")
-        threshold = max(MIN_NODES, min(int(threshold), len(nodes)))
+        threshold = max(minimum_threshold(len(nodes)), min(int(threshold), len(nodes)))
         m = self.modulus
         def setup() -> RecordDict:  # one record per message: the client mod pops its stage key
             return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({

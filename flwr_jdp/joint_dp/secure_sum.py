@@ -1,0 +1,230 @@
+"""A node's side of the secure sum: Flower's SecAgg+ client mod, with every stage's
+message checked against what the node itself saw.
+
+Flower's ``secaggplus_mod`` masks the node's vector and answers the server's unmask
+request; it checks little of what the server sends. :func:`secure_sum_mod` wraps it
+and keeps, in the node's ``context.state`` (record :data:`STATE`), what this node saw
+of the current SecAgg+ session (one session per round, from its set-up stage on):
+
+- set-up: the field and encoding flwr-jdp uses, unit weights, and a reconstruction
+  threshold ``t`` with ``t >= 3`` and ``t > n / 2`` (``n``: the nodes the secrets are
+  shared among), so that no two disjoint sets of nodes both reach ``t``
+  (:func:`minimum_threshold`);
+- share keys: the nodes whose public keys it gets include itself, at least ``t`` and at
+  most ``n`` of them;
+- collect: the nodes whose key shares it received are among those;
+- unmask: the active and dead lists are disjoint, the node itself is active, both lie
+  within the nodes whose shares it holds, and at least ``t`` are active; it answers one
+  unmask request per session and every stage only in order.
+
+A node answers, for each other node, with a share of either its self-mask seed (active)
+or its pairwise-mask key (dead), never both, and once per session; shares are ``t`` of
+at most ``n < 2t``. So the server cannot gather ``t`` shares of both of a node's secrets,
+whatever different nodes are told. A refused stage is an error reply: the node leaves
+the round, with one log line naming the check.
+
+Not covered: SecAgg+'s public keys are not authenticated, so the server is trusted not
+to substitute them (a server that does plays the other nodes; see docs/guarantees.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from logging import INFO, WARNING
+from typing import cast
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MessageType
+from flwr.client.mod import secaggplus_mod
+from flwr.common import Code, FitRes, Status, log, ndarrays_to_parameters
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.compat.common import recorddict_compat as compat
+
+from flwr_jdp.joint_dp import protocol
+from flwr_jdp.privacy.skellam import MODULUS
+
+#: The fewest nodes a secure sum may hold at any stage. Flower's SecAgg+ seeds each mask's
+#: generator with 32 bits of its key: with two nodes only one pairwise mask hides a node's
+#: vector once the server has unmasked, which a search of 2**32 seeds could remove; with three
+#: or more, at least two masks (64 bits) remain.
+MIN_NODES = 3
+
+#: The node's record in ``context.state``: what it saw of the current SecAgg+ session.
+STATE = "flwr-jdp.secure-sum"
+
+_LEFT = "left"  # the node refused or failed a stage: nothing but a new set-up until the next session
+_ORDER = Stage.all()
+_trust_logged = False
+
+
+class SecureSumRefused(RuntimeError):
+    """A SecAgg+ message this node will not answer; the message names the check."""
+
+
+def minimum_threshold(nodes: int) -> int:
+    """The smallest reconstruction threshold a node accepts for secrets shared among
+    ``nodes`` nodes: more than half of them (two disjoint sets cannot both reach it) and
+    at least :data:`MIN_NODES`."""
+    return max(MIN_NODES, nodes // 2 + 1)
+
+
+def _check_setup(rec: ConfigRecord) -> None:
+    """A node takes part only in the secure sum flwr-jdp's server plans: the field and
+    its encoding as :func:`secure_sum_mod` uses them, unit weights, and a reconstruction
+    threshold of at least :func:`minimum_threshold` of the nodes the set-up names and at
+    most their number."""
+    if rec.get(Key.STAGE) != Stage.SETUP:
+        return
+    expected = {Key.CLIPPING_RANGE: float(MODULUS // 2), Key.TARGET_RANGE: MODULUS, Key.MOD_RANGE: MODULUS,
+                Key.MAX_WEIGHT: 1.0}
+    wrong = [k for k, v in expected.items() if rec.get(k) != v]
+    nodes = _setup_nodes(rec)
+    threshold = int(cast(int, rec.get(Key.THRESHOLD, 0)))
+    if wrong or not minimum_threshold(nodes) <= threshold <= nodes:
+        raise SecureSumRefused(
+            f"secure aggregation set-up refused: {wrong or 'threshold'} not as flwr-jdp plans it (ranges 2**31, "
+            f"unit weights, threshold {threshold} in [{minimum_threshold(nodes)}, {nodes}] for {nodes} nodes: "
+            f">= {MIN_NODES} and more than half)")
+
+
+def _setup_nodes(rec: ConfigRecord) -> int:
+    """The nodes a set-up names: those sampled and those the secrets are shared among."""
+    return max(int(cast(int, rec.get(Key.SAMPLE_NUMBER, 0))), int(cast(int, rec.get(Key.SHARE_NUMBER, 0))))
+
+
+class _Session:
+    """What this node saw of the current SecAgg+ session, kept in ``context.state``."""
+
+    def __init__(self, context: Context) -> None:
+        rec = context.state.config_records.get(STATE, ConfigRecord({}))
+        self.stage = str(rec.get("stage", ""))
+        self.nodes = int(cast(int, rec.get("nodes", 0)))
+        self.threshold = int(cast(int, rec.get("threshold", 0)))
+        self.keys = set(cast(list[int], rec.get("keys", [])))
+        self.sources = set(cast(list[int], rec.get("sources", [])))
+
+    def save(self, context: Context) -> None:
+        context.state.config_records[STATE] = ConfigRecord({
+            "stage": self.stage, "nodes": self.nodes, "threshold": self.threshold,
+            "keys": sorted(self.keys), "sources": sorted(self.sources)})
+
+    def check(self, me: int, rec: ConfigRecord) -> str:
+        """Check the message of the stage ``rec`` names; remember what it shows and
+        return the stage. Raises :class:`SecureSumRefused` naming the check."""
+        stage = str(rec.get(Key.STAGE, ""))
+        if stage not in _ORDER:
+            raise SecureSumRefused(f"unknown SecAgg+ stage {stage!r}")
+        if stage == Stage.SETUP:  # a new session: Flower draws new keys and forgets every share
+            _check_setup(rec)
+            self.nodes = _setup_nodes(rec)
+            self.threshold = int(cast(int, rec[Key.THRESHOLD]))
+            self.keys, self.sources = set(), set()
+        elif self.stage not in _ORDER[:-1] or stage != _ORDER[_ORDER.index(self.stage) + 1]:
+            raise SecureSumRefused(f"stage out of order: {stage} after {self.stage or 'nothing'} "
+                                   "(set-up, share keys, collect, unmask, once each)")
+        elif stage == Stage.SHARE_KEYS:
+            keys = {int(k) for k in rec if k != Key.STAGE}
+            if me not in keys:
+                raise SecureSumRefused("share keys: this node's own key is not among the public keys")
+            if not self.threshold <= len(keys) <= self.nodes:
+                raise SecureSumRefused(f"share keys: {len(keys)} public keys, not between the threshold "
+                                       f"{self.threshold} and the set-up's {self.nodes} nodes")
+            self.keys = keys
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            sources = cast(list[int], rec.get(Key.SOURCE_LIST, []))
+            if len(set(sources)) != len(sources) or not set(sources) <= self.keys - {me}:
+                raise SecureSumRefused("collect: key shares from nodes this node did not share keys with "
+                                       f"(or twice): {sorted(set(sources) - (self.keys - {me}))[:5]}")
+            if len(sources) + 1 < self.threshold:
+                raise SecureSumRefused(f"collect: key shares from {len(sources)} other nodes, fewer than the "
+                                       f"threshold {self.threshold} less this node")
+            self.sources = set(sources)
+        else:
+            self._check_unmask(me, cast(list[int], rec.get(Key.ACTIVE_NODE_ID_LIST, [])),
+                               cast(list[int], rec.get(Key.DEAD_NODE_ID_LIST, [])))
+        self.stage = stage
+        return stage
+
+    def _check_unmask(self, me: int, active: list[int], dead: list[int]) -> None:
+        held = self.sources | {me}  # the nodes whose shares this node holds
+        if len(set(active)) != len(active) or len(set(dead)) != len(dead) or set(active) & set(dead):
+            raise SecureSumRefused(f"unmask: a node listed twice or both active and dead "
+                                   f"({sorted(set(active) & set(dead))[:5]})")
+        if me not in active:
+            raise SecureSumRefused("unmask: this node, which sent its masked vector, is not listed active")
+        if not set(active) | set(dead) <= self.keys:
+            raise SecureSumRefused(f"unmask: nodes this node never shared keys with: "
+                                   f"{sorted((set(active) | set(dead)) - self.keys)[:5]}")
+        if not set(active) | set(dead) <= held:
+            raise SecureSumRefused(f"unmask: nodes whose key shares this node never received: "
+                                   f"{sorted((set(active) | set(dead)) - held)[:5]}")
+        if len(active) < self.threshold:
+            raise SecureSumRefused(f"unmask: {len(active)} active nodes, fewer than the threshold {self.threshold}")
+
+
+def _log_trust_once() -> None:
+    global _trust_logged  # noqa: PLW0603 (one line per process)
+    if not _trust_logged:
+        _trust_logged = True
+        log(INFO, "Secure aggregation: SecAgg+ public keys are not authenticated; the server is trusted not to "
+            "substitute them (a server that does is outside flwr-jdp's guarantee)")
+
+
+def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """A ClientApp mod: messages of Flower's SecAgg+ protocol are checked against what
+    this node saw (:class:`_Session`), then go through Flower's ``secaggplus_mod``; at its
+    collect stage the app's train handler runs (through the app's other mods) and the sum
+    of its reply's arrays (one record per owner the node hosts, each already an element
+    vector modulo :data:`MODULUS`) is what SecAgg+ masks. The reply then carries nothing
+    else: no per-owner count or metric. Other messages pass through.
+    :class:`~flwr_jdp.client.JointDPClient` puts it first on the user's ClientApp."""
+    if msg.metadata.message_type != MessageType.TRAIN or RECORD_KEY_CONFIGS not in msg.content.config_records:
+        return call_next(msg, context)
+    session = _Session(context)
+    try:
+        stage = session.check(msg.metadata.dst_node_id, msg.content.config_records[RECORD_KEY_CONFIGS])
+    except SecureSumRefused as err:
+        session.stage = _LEFT
+        session.save(context)
+        log(WARNING, "Secure aggregation refused, this node leaves the round: %s", err)
+        raise
+    if stage == Stage.SETUP:
+        _log_trust_once()
+
+    def train(inner: Message, ctx: Context) -> Message:
+        reply = call_next(inner, ctx)
+        if reply.has_error():  # refused or failed: this node drops out of the secure sum
+            raise RuntimeError(reply.error.reason)
+        cfg_rec = inner.content.config_records.get(protocol.CONFIG)
+        wanted = len(list(cfg_rec.get(protocol.OWNERS, []))) if cfg_rec is not None else 0
+        if len(reply.content.array_records) != wanted:
+            # an owner of this node failed: its noise share would be missing from the sum the server
+            # unmasks, which counts this node's owners as survivors, so the whole node leaves the round
+            raise RuntimeError(f"{wanted - len(reply.content.array_records)} of this node's {wanted} owners "
+                               "did not release; the node leaves the secure sum")
+        total: list[np.ndarray] | None = None
+        for record in reply.content.array_records.values():
+            arrays = [np.asarray(a, dtype=np.int64) for a in record.to_numpy_ndarrays()]
+            if np.any([np.any((a < 0) | (a >= MODULUS)) for a in arrays]):
+                raise RuntimeError("the release is not a vector of field elements")
+            total = arrays if total is None else [np.mod(t + a, MODULUS) for t, a in zip(total, arrays, strict=True)]
+        if total is None:
+            raise RuntimeError("the train handler replied without arrays")
+        # SecAgg+ maps x in [-M/2, M/2] to x + M/2 (clipping range M/2, M levels): exact for these integers
+        params = [a.astype(np.float64) - MODULUS / 2 for a in total]
+        fitres = FitRes(status=Status(Code.OK, ""), parameters=ndarrays_to_parameters(params), num_examples=1,
+                        metrics={})
+        return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=inner)
+
+    try:
+        reply = secaggplus_mod(msg, context, train)
+    except Exception:
+        log(WARNING, "Secure aggregation: this node leaves the round (see the error above)")
+        session.stage = _LEFT
+        session.save(context)
+        raise
+    session.save(context)
+    return reply
+
+
+__all__ = ["MIN_NODES", "STATE", "SecureSumRefused", "minimum_threshold", "secure_sum_mod"]
