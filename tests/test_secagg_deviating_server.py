@@ -1,0 +1,362 @@
+"""A deviating server against the nodes' SecAgg+ checks (distributed noise).
+
+The attack as an independent review wrote it: the production client half (a user's
+ClientApp with :class:`JointDPClient`, one owner per node, Flower's ``secaggplus_mod``
+inside flwr-jdp's :func:`~flwr_jdp.joint_dp.secure_sum.secure_sum_mod`) and the
+production server (:class:`JointDP` driving :class:`SecureSum`), whose messages a
+:class:`DeviatingGrid` changes on their way to the nodes. The server then tries to
+unmask every node's vector with every share it was sent (:func:`recover`): for each
+deviation the nodes refuse or the shares do not suffice, and no owner's vector is
+recovered, while the same recovery run against nodes without the check (or the honest
+server's own unmasking) shows what the check prevents.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common import bytes_to_ndarray
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+from flwr.supercore.primitives.asymmetric import (
+    bytes_to_private_key,
+    bytes_to_public_key,
+    public_key_to_bytes,
+)
+
+import flwr_jdp.joint_dp.secure_sum as secure_sum
+from flwr_jdp.inprocess import InProcessGrid
+from flwr_jdp.joint_dp.config import ConfigError
+from flwr_jdp.privacy.skellam import MODULUS
+from flwr_jdp.strategies import JointDP
+from tests.test_distributed_noise import Spy, _initial, _rc, user_app
+
+Deviate = Callable[[Message, dict], list[Message]]
+
+
+class DeviatingGrid(InProcessGrid):
+    """An in-process grid whose server changes its SecAgg+ messages: ``deviate(msg,
+    record)`` (``record``: a copy of the message's SecAgg+ config record) returns the
+    messages the node gets instead (the first one's reply goes back to the server's
+    driver; the server keeps every reply). ``asked`` pairs each delivered SecAgg+
+    record with the node's reply."""
+
+    def __init__(self, nodes: int, rc: dict, deviate: Deviate | None = None) -> None:
+        super().__init__(user_app(), nodes, rc, errors_as_replies=True)
+        self.deviate = deviate
+        self.asked: list[tuple[int, dict, Message]] = []
+
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
+        out = []
+        for msg in messages:
+            rec = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+            if rec is None:
+                out.extend(super().send_and_receive([msg], timeout=timeout))
+                continue
+            variants = self.deviate(msg, dict(rec)) if self.deviate else [msg]
+            for i, variant in enumerate(variants):
+                snapshot = dict(variant.content.config_records[RECORD_KEY_CONFIGS])  # Flower pops the stage key
+                replies = list(super().send_and_receive([variant], timeout=timeout))
+                self.asked.append((variant.metadata.dst_node_id, snapshot, replies[0]))
+                if i == 0:
+                    out.extend(replies)
+        return out
+
+    def replies(self, stage: str) -> dict[int, Message]:
+        """The last reply of every node at ``stage``."""
+        return {nid: reply for nid, rec, reply in self.asked if rec.get(Key.STAGE) == stage}
+
+
+def secagg_message(dst: int, **values: object) -> Message:
+    return Message(RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(dict(values))}), dst_node_id=dst,
+                   message_type=MessageType.TRAIN)
+
+
+def unmask(dst: int, active: list[int], dead: list[int]) -> Message:
+    return secagg_message(dst, **{Key.STAGE: Stage.UNMASK, Key.ACTIVE_NODE_ID_LIST: list(active),
+                                  Key.DEAD_NODE_ID_LIST: list(dead)})
+
+
+def at(stage: str, change: Callable[[Message, dict], list[Message]]) -> Deviate:
+    """Change only the messages of ``stage``."""
+    return lambda msg, rec: change(msg, rec) if rec.get(Key.STAGE) == stage else [msg]
+
+
+def run(nodes: int, deviate: Deviate | None, tmp_path, **over: object) -> tuple[JointDP, DeviatingGrid]:  # noqa: ANN001
+    """One round of the production strategy over ``nodes`` nodes (one owner each)."""
+    rc = _rc(nodes, **{"results-dir": str(tmp_path), "num-rounds": 1, "max-skipped-rounds": 1, **over})
+    grid = DeviatingGrid(nodes, rc, deviate)
+    strategy = JointDP.from_run_config(rc, node_settle_s=0.0)
+    try:
+        strategy.start(grid=grid, initial_arrays=_initial())
+    except Exception:  # noqa: BLE001 (a round stopped, or the deviating driver's own unmasking failed)
+        pass
+    return strategy, grid
+
+
+def recover(grid: DeviatingGrid) -> dict[int, np.ndarray]:
+    """The server's best try at each node's vector from what it holds: the masked vector,
+    minus the self mask rebuilt from the shares of the node's seed it was sent, minus each
+    pairwise mask the node added, rebuilt from either end's mask key (its shares) and the
+    other end's public key. A node whose seed or one of whose pairwise keys cannot be
+    rebuilt is not recovered."""
+    pk1 = {n: r.content.config_records[RECORD_KEY_CONFIGS][Key.PUBLIC_KEY_1]
+           for n, r in grid.replies(Stage.SETUP).items() if not r.has_error()}
+    masked = {n: [bytes_to_ndarray(b) for b in r.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]]
+              for n, r in grid.replies(Stage.COLLECT_MASKED_VECTORS).items() if not r.has_error()}
+    sources = {n: rec[Key.SOURCE_LIST] for n, rec, _ in grid.asked if rec.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS}
+    seed_shares: dict[int, set[bytes]] = defaultdict(set)
+    key_shares: dict[int, set[bytes]] = defaultdict(set)
+    for _, rec, reply in grid.asked:
+        if rec.get(Key.STAGE) != Stage.UNMASK or reply.has_error():
+            continue
+        answer = reply.content.config_records[RECORD_KEY_CONFIGS]
+        active = len(rec[Key.ACTIVE_NODE_ID_LIST])  # Flower answers the active nodes' seeds, then the dead's keys
+        for i, (owner, share) in enumerate(zip(answer[Key.NODE_ID_LIST], answer[Key.SHARE_LIST], strict=True)):
+            (seed_shares if i < active else key_shares)[owner].add(share)
+
+    def rebuilt(shares: set[bytes]) -> bytes | None:
+        try:
+            return combine_shares(sorted(shares)) if shares else None
+        except Exception:  # noqa: BLE001 (too few or mixed shares)
+            return None
+
+    def checked_key(nid: int) -> bytes | None:  # a mask key is the right one if it matches the node's public key
+        key = rebuilt(key_shares[nid])
+        try:
+            return key if key and public_key_to_bytes(bytes_to_private_key(key).public_key()) == pk1.get(nid) else None
+        except Exception:  # noqa: BLE001 (not a key)
+            return None
+
+    keys = {n: k for n in list(key_shares) if (k := checked_key(n)) is not None}
+    out = {}
+    for nid, vec in masked.items():
+        seed = rebuilt(seed_shares[nid])
+        if seed is None or any(nid not in keys and other not in keys for other in sources[nid]):
+            continue
+        shapes = [a.shape for a in vec]
+        try:  # a seed rebuilt from too few shares is garbage, which Flower's generator may refuse
+            x = [a.astype(np.int64) - m for a, m in zip(vec, pseudo_rand_gen(seed, MODULUS, shapes), strict=True)]
+            for other in sources[nid]:  # the pairwise key from either end's rebuilt mask key
+                mine, theirs = (nid, other) if nid in keys else (other, nid)
+                shared = generate_shared_key(bytes_to_private_key(keys[mine]), bytes_to_public_key(pk1[theirs]))
+                mask = pseudo_rand_gen(shared, MODULUS, shapes)
+                x = [a - m if nid > other else a + m for a, m in zip(x, mask, strict=True)]
+        except Exception:  # noqa: BLE001 (no usable seed)
+            continue
+        out[nid] = np.concatenate([np.mod(a, MODULUS).ravel() for a in x[1:]])  # the first entry is SecAgg+'s weight
+    return out
+
+
+def owners_vectors(spy: Spy) -> list[np.ndarray]:
+    return [np.concatenate([a.ravel() for a in v["field"]]) for v in spy.vectors]
+
+
+def recovered_owners(grid: DeviatingGrid, spy: Spy) -> int:
+    """How many owners' vectors the server recovered, bit for bit."""
+    tries = list(recover(grid).values())
+    return sum(any(np.array_equal(t, own) for t in tries) for own in owners_vectors(spy))
+
+
+def refusals(grid: DeviatingGrid, stage: str) -> dict[int, str]:
+    return {n: r.error.reason for n, r in grid.replies(stage).items() if r.has_error()}
+
+
+# ------------------------------------------------------------------ the review's attack
+def overlap(msg: Message, rec: dict) -> list[Message]:
+    """Every survivor listed both active and dead."""
+    both = list(rec[Key.ACTIVE_NODE_ID_LIST])
+    return [unmask(msg.metadata.dst_node_id, both, both)]
+
+
+def test_the_honest_server_unmasks_the_exact_sum_and_no_vector(tmp_path, monkeypatch):
+    spy = Spy(monkeypatch)
+    strategy, grid = run(3, None, tmp_path)
+    assert strategy.status == "completed"
+    total = np.concatenate([a.ravel() for a in strategy._secure.total[1:]])
+    assert np.array_equal(total, sum(owners_vectors(spy)) % MODULUS)
+    assert recovered_owners(grid, spy) == 0
+
+
+def test_active_and_dead_overlap_is_refused_and_unmasks_nothing(tmp_path, monkeypatch):
+    """The review's attack (3 nodes, only the unmask request changed). Against Flower's
+    own checks it recovers each owner's vector bit for bit; each node refuses it."""
+    spy = Spy(monkeypatch)
+    with monkeypatch.context() as m:  # the nodes without flwr-jdp's unmask checks: the review's result
+        m.setattr(secure_sum._Session, "_check_unmask", lambda *a: None)
+        _, grid = run(3, at(Stage.UNMASK, overlap), tmp_path / "unchecked")
+    assert recovered_owners(grid, spy) == 3
+    spy.vectors.clear()
+    strategy, grid = run(3, at(Stage.UNMASK, overlap), tmp_path)
+    reasons = refusals(grid, Stage.UNMASK)
+    assert len(reasons) == 3 and all("both active and dead" in r for r in reasons.values()), reasons
+    assert strategy._secure.total is None and recovered_owners(grid, spy) == 0
+
+
+@pytest.mark.parametrize("lists,check", [
+    (lambda alive, me: (alive, [4242]), "never shared keys"),
+    (lambda alive, me: (alive + [4242], []), "never shared keys"),
+    (lambda alive, me: ([n for n in alive if n != me], [me]), "not listed active"),
+])
+def test_an_unmask_list_against_what_the_node_saw_is_refused(tmp_path, monkeypatch, lists, check):
+    """A dead or active node the node never shared keys with, or the node itself listed
+    dead: every node refuses and the server gets no share."""
+    spy = Spy(monkeypatch)
+
+    def change(msg: Message, rec: dict) -> list[Message]:
+        active, dead = lists(sorted(rec[Key.ACTIVE_NODE_ID_LIST]), msg.metadata.dst_node_id)
+        return [unmask(msg.metadata.dst_node_id, active, dead)]
+
+    strategy, grid = run(3, at(Stage.UNMASK, change), tmp_path)
+    reasons = refusals(grid, Stage.UNMASK)
+    assert len(reasons) == 3 and all(check in r for r in reasons.values()), reasons
+    assert strategy._secure.total is None and recovered_owners(grid, spy) == 0
+
+
+def test_a_second_unmask_request_is_refused(tmp_path, monkeypatch):
+    """Five nodes, threshold 3. After each node answers the honest request (all five
+    active), the server asks again with nodes 1003 and 1004 dead: answered, it would give
+    their mask keys too, and with their seeds from the first answers, their vectors. The
+    node answers one unmask request per session."""
+    spy = Spy(monkeypatch)
+
+    def twice(msg: Message, rec: dict) -> list[Message]:
+        alive = sorted(rec[Key.ACTIVE_NODE_ID_LIST])
+        return [msg, unmask(msg.metadata.dst_node_id, alive[:3], alive[3:])]
+
+    with monkeypatch.context() as m:  # without the check (and Flower's stage order): two vectors recovered
+        m.setattr(secure_sum._Session, "check", lambda self, me, rec: rec.get(Key.STAGE))
+        m.setattr(sys.modules["flwr.client.mod.secure_aggregation.secaggplus_mod"], "check_stage", lambda *a: None)
+        _, grid = run(5, at(Stage.UNMASK, twice), tmp_path / "unchecked", **{"dropout-tolerance": 0.4})
+    assert recovered_owners(grid, spy) == 2
+    spy.vectors.clear()
+    strategy, grid = run(5, at(Stage.UNMASK, twice), tmp_path, **{"dropout-tolerance": 0.4})
+    assert strategy.status == "completed"  # the first, honest request was answered: the sum was released
+    seconds = [reply for _, rec, reply in grid.asked if rec.get(Key.STAGE) == Stage.UNMASK][1::2]
+    assert len(seconds) == 5 and all("out of order" in r.error.reason for r in seconds)
+    assert recovered_owners(grid, spy) == 0
+
+
+def stories(dead_for: set[int], victim: int) -> Deviate:
+    """Nodes in ``dead_for`` hear ``victim`` dead; the others hear it active."""
+    def change(msg: Message, rec: dict) -> list[Message]:
+        alive = sorted(rec[Key.ACTIVE_NODE_ID_LIST])
+        if msg.metadata.dst_node_id in dead_for:
+            return [unmask(msg.metadata.dst_node_id, [n for n in alive if n != victim], [victim])]
+        return [msg]
+    return at(Stage.UNMASK, change)
+
+
+@pytest.mark.parametrize("dead_for", [{1001, 1002}, {1001, 1002, 1003}])
+def test_different_stories_cannot_gather_both_secrets_of_a_node(tmp_path, monkeypatch, dead_for):
+    """Five nodes, threshold 3 (> 5 / 2): some nodes hear node 1000 dead, the others
+    (1000 itself among them) hear it active. Each story passes every node's checks, but
+    the five answers hold at most 5 < 2 x 3 shares of node 1000's two secrets: the
+    server rebuilds one of them, never both, and no vector."""
+    spy = Spy(monkeypatch)
+    _, grid = run(5, stories(dead_for, 1000), tmp_path, **{"dropout-tolerance": 0.4})
+    assert not refusals(grid, Stage.UNMASK)
+    assert recovered_owners(grid, spy) == 0
+
+
+def test_different_stories_recover_a_vector_below_a_majority_threshold(tmp_path, monkeypatch):
+    """The same stories with six nodes and a threshold of 3 (= 6 / 2) set up by the
+    server, against nodes without the majority rule: three hear node 1000 dead, three
+    active, and the server rebuilds both its secrets and its vector. The rule refuses
+    that set-up (next test)."""
+    spy = Spy(monkeypatch)
+    monkeypatch.setattr(secure_sum, "minimum_threshold", lambda nodes: secure_sum.MIN_NODES)
+
+    def low(msg: Message, rec: dict) -> list[Message]:
+        if rec.get(Key.STAGE) == Stage.SETUP:
+            return [secagg_message(msg.metadata.dst_node_id, **{**rec, Key.THRESHOLD: 3})]
+        return stories({1001, 1002, 1003}, 1000)(msg, rec)
+
+    _, grid = run(6, low, tmp_path, **{"dropout-tolerance": 0.2})
+    assert recovered_owners(grid, spy) == 1
+
+
+@pytest.mark.parametrize("nodes,threshold", [(6, 3), (4, 2), (5, 6)])
+def test_a_setup_threshold_of_at_most_half_the_nodes_is_refused(tmp_path, monkeypatch, nodes, threshold):
+    """Every node refuses a set-up whose threshold is not more than half the nodes (or
+    exceeds them): it sends no public key, so nothing is masked or unmasked."""
+    spy = Spy(monkeypatch)
+
+    def low(msg: Message, rec: dict) -> list[Message]:
+        return [secagg_message(msg.metadata.dst_node_id, **{**rec, Key.THRESHOLD: threshold})]
+
+    strategy, grid = run(nodes, at(Stage.SETUP, low), tmp_path)
+    reasons = refusals(grid, Stage.SETUP)
+    assert len(reasons) == nodes and all("threshold" in r for r in reasons.values()), reasons
+    assert not spy.vectors and strategy._secure.total is None
+
+
+def test_a_dropout_tolerance_the_threshold_cannot_meet_fails_at_startup(tmp_path):
+    """Three nodes need all three (threshold > 3 / 2, >= 3): a tolerance that lets one
+    drop is refused before any release, naming the key."""
+    rc = _rc(3, **{"results-dir": str(tmp_path), "dropout-tolerance": 0.4})
+    grid = DeviatingGrid(3, rc)
+    with pytest.raises(ConfigError, match=r"jdp.dropout-tolerance.*below 0.333"):
+        JointDP.from_run_config(rc, node_settle_s=0.0).start(grid=grid, initial_arrays=_initial())
+
+
+def test_the_honest_server_sets_up_a_majority_threshold():
+    """Asked for a threshold of 1, the server's driver sets up the nodes' rule: more
+    than half the nodes, at least 3."""
+    from flwr_jdp.strategies.joint_dp.secagg import SecureSum
+
+    for nodes in (3, 4, 5, 6):
+        grid = DeviatingGrid(nodes, _rc(nodes))
+        SecureSum(MODULUS, None).run(grid, {n: RecordDict() for n in grid.contexts}, 1, "1", lambda s: None)
+        thresholds = {rec[Key.THRESHOLD] for _, rec, _ in grid.asked if rec.get(Key.STAGE) == Stage.SETUP}
+        assert thresholds == {max(3, nodes // 2 + 1)} and not refusals(grid, Stage.SETUP)
+
+
+@pytest.mark.parametrize("stage,instead", [
+    (Stage.SHARE_KEYS, lambda dst: secagg_message(dst, **{Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
+                                                          Key.CIPHERTEXT_LIST: [], Key.SOURCE_LIST: []})),
+    (Stage.COLLECT_MASKED_VECTORS, lambda dst: unmask(dst, [1000, 1001, 1002], [])),
+    (Stage.SHARE_KEYS, lambda dst: unmask(dst, [1000, 1001, 1002], [])),
+])
+def test_a_stage_out_of_order_is_refused(tmp_path, monkeypatch, stage, instead):
+    """A stage skipped: every node refuses it and sends no vector."""
+    spy = Spy(monkeypatch)
+    strategy, grid = run(3, at(stage, lambda msg, rec: [instead(msg.metadata.dst_node_id)]), tmp_path)
+    reasons = [reply.error.reason for _, rec, reply in grid.asked if reply.has_error()]
+    assert len(reasons) == 3 and all("out of order" in r for r in reasons), reasons
+    assert not spy.vectors and strategy._secure.total is None
+
+
+def test_limit_tailored_views_isolate_a_vector_from_five_nodes(tmp_path, monkeypatch):
+    """The limit docs/guarantees.md states (no consistency round: it needs authenticated
+    keys). Five nodes, threshold 3: the server forwards node 1000 the key shares of
+    1001 and 1002 only (1000 masks with those two), and tells each node its own dead
+    list: 1001 hears 1002 dead, 1002 hears 1001 dead, 1003 and 1004 hear both dead.
+    Every message passes every node's checks; the answers hold 3 shares of 1000's seed
+    and of 1001's and 1002's mask keys, and the server recovers 1000's vector."""
+    spy = Spy(monkeypatch)
+    ids = [1000, 1001, 1002, 1003, 1004]
+    dead = {1000: [], 1001: [1002], 1002: [1001], 1003: [1001, 1002], 1004: [1001, 1002]}
+
+    def tailored(msg: Message, rec: dict) -> list[Message]:
+        dst = msg.metadata.dst_node_id
+        if rec.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS and dst == 1000:
+            keep = [i for i, src in enumerate(rec[Key.SOURCE_LIST]) if src in (1001, 1002)]
+            msg.content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord({
+                Key.STAGE: rec[Key.STAGE], Key.SOURCE_LIST: [rec[Key.SOURCE_LIST][i] for i in keep],
+                Key.CIPHERTEXT_LIST: [rec[Key.CIPHERTEXT_LIST][i] for i in keep]})
+        if rec.get(Key.STAGE) == Stage.UNMASK:
+            held = [1000, 1001, 1002] if dst == 1000 else ids
+            return [unmask(dst, [n for n in held if n not in dead[dst]], dead[dst])]
+        return [msg]
+
+    _, grid = run(5, tailored, tmp_path, **{"dropout-tolerance": 0.4})
+    assert not refusals(grid, Stage.UNMASK) and not refusals(grid, Stage.COLLECT_MASKED_VECTORS)
+    assert set(recover(grid)) >= {1000} and recovered_owners(grid, spy) == 1
