@@ -18,13 +18,16 @@ of the current SecAgg+ session (one session per round, from its set-up stage on)
   unmask request per session and every stage only in order.
 
 A node answers, for each other node, with a share of either its self-mask seed (active)
-or its pairwise-mask key (dead), never both, and once per session; shares are ``t`` of
-at most ``n < 2t``. So the server cannot gather ``t`` shares of both of a node's secrets,
-whatever different nodes are told. A refused stage is an error reply: the node leaves
+or its pairwise-mask key (dead), never both, and once per session; a secret needs ``t``
+of at most ``n < 2t`` shares. So the server cannot gather ``t`` shares of both of a
+node's secrets, whatever different nodes are told. A refused stage is an error reply: the node leaves
 the round, with one log line naming the check.
 
-Not covered: SecAgg+'s public keys are not authenticated, so the server is trusted not
-to substitute them (a server that does plays the other nodes; see docs/guarantees.md).
+Not covered (docs/guarantees.md): SecAgg+'s public keys are not authenticated, so the
+server is trusted not to substitute them (a server that does plays the other nodes);
+and without a consistency round (which needs authenticated keys too) a server that
+tailors each node's view (which key shares it forwards, which nodes it calls dead) can,
+from 5 nodes on, unmask a sum of fewer than ``t`` nodes.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ def _log_trust_once() -> None:
     if not _trust_logged:
         _trust_logged = True
         log(INFO, "Secure aggregation: SecAgg+ public keys are not authenticated; the server is trusted not to "
-            "substitute them (a server that does is outside flwr-jdp's guarantee)")
+            "substitute them nor, above 3 nodes, to show nodes different views (docs/guarantees.md)")
 
 
 def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
