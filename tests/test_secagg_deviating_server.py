@@ -220,6 +220,30 @@ def test_an_unmask_list_against_what_the_node_saw_is_refused(tmp_path, monkeypat
     assert strategy._secure.total is None and recovered_owners(grid, spy) == 0
 
 
+def without_own_key(msg: Message, rec: dict) -> list[Message]:
+    return [secagg_message(msg.metadata.dst_node_id,
+                           **{k: v for k, v in rec.items() if k != str(msg.metadata.dst_node_id)})]
+
+
+def from_a_stranger(msg: Message, rec: dict) -> list[Message]:
+    return [secagg_message(msg.metadata.dst_node_id, **{**rec, Key.SOURCE_LIST: [*rec[Key.SOURCE_LIST], 4242],
+                                                         Key.CIPHERTEXT_LIST: [*rec[Key.CIPHERTEXT_LIST], b"x"]})]
+
+
+@pytest.mark.parametrize("stage,change,check", [
+    (Stage.SHARE_KEYS, without_own_key, "own key is not among"),
+    (Stage.COLLECT_MASKED_VECTORS, from_a_stranger, "did not share keys with"),
+])
+def test_keys_or_share_sources_against_what_the_node_saw_are_refused(tmp_path, monkeypatch, stage, change, check):
+    """A key set without the node's own key, or key shares from a node it never shared
+    keys with: every node refuses before masking anything."""
+    spy = Spy(monkeypatch)
+    strategy, grid = run(3, at(stage, change), tmp_path)
+    reasons = refusals(grid, stage)
+    assert len(reasons) == 3 and all(check in r for r in reasons.values()), reasons
+    assert not grid.replies(Stage.UNMASK) and strategy._secure.total is None and recovered_owners(grid, spy) == 0
+
+
 def test_a_second_unmask_request_is_refused(tmp_path, monkeypatch):
     """Five nodes, threshold 3. After each node answers the honest request (all five
     active), the server asks again with nodes 1003 and 1004 dead: answered, it would give

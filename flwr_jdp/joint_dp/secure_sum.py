@@ -186,7 +186,7 @@ def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message,
     session = _Session(context)
     try:
         stage = session.check(msg.metadata.dst_node_id, msg.content.config_records[RECORD_KEY_CONFIGS])
-    except SecureSumRefused as err:
+    except Exception as err:  # a refusal, or a message too malformed to check: the node leaves either way
         session.stage = _LEFT
         session.save(context)
         log(WARNING, "Secure aggregation refused, this node leaves the round: %s", err)
