@@ -283,8 +283,11 @@ def test_different_stories_cannot_gather_both_secrets_of_a_node(tmp_path, monkey
     """Five nodes, threshold 3 (> 5 / 2): some nodes hear node 1000 dead, the others
     (1000 itself among them) hear it active. Each story passes every node's checks, but
     the five answers hold at most 5 < 2 x 3 shares of node 1000's two secrets: the
-    server rebuilds one of them, never both, and no vector."""
+    server rebuilds one of them, never both, and no vector. (The majority rule alone:
+    the nodes here skip the check that the lists are the ones every survivor
+    confirmed, which refuses any dead node the server's word alone names.)"""
     spy = Spy(monkeypatch)
+    monkeypatch.setattr(secure_sum._Session, "_check_confirmed", lambda *a: None)
     _, grid = run(5, stories(dead_for, 1000), tmp_path, **{"dropout-tolerance": 0.4})
     assert not refusals(grid, Stage.UNMASK)
     assert recovered_owners(grid, spy) == 0
@@ -297,6 +300,7 @@ def test_different_stories_recover_a_vector_below_a_majority_threshold(tmp_path,
     that set-up (next test)."""
     spy = Spy(monkeypatch)
     monkeypatch.setattr(secure_sum, "minimum_threshold", lambda nodes: secure_sum.MIN_NODES)
+    monkeypatch.setattr(secure_sum._Session, "_check_confirmed", lambda *a: None)
 
     def low(msg: Message, rec: dict) -> list[Message]:
         if rec.get(Key.STAGE) == Stage.SETUP:
@@ -358,29 +362,38 @@ def test_a_stage_out_of_order_is_refused(tmp_path, monkeypatch, stage, instead):
     assert not spy.vectors and strategy._secure.total is None
 
 
-def test_limit_tailored_views_isolate_a_vector_from_five_nodes(tmp_path, monkeypatch):
-    """The limit docs/guarantees.md states (no consistency round: it needs authenticated
-    keys). Five nodes, threshold 3: the server forwards node 1000 the key shares of
-    1001 and 1002 only (1000 masks with those two), and tells each node its own dead
-    list: 1001 hears 1002 dead, 1002 hears 1001 dead, 1003 and 1004 hear both dead.
-    Every message passes every node's checks; the answers hold 3 shares of 1000's seed
-    and of 1001's and 1002's mask keys, and the server recovers 1000's vector."""
-    spy = Spy(monkeypatch)
+def tailored_views(msg: Message, rec: dict) -> list[Message]:
+    """The attack of tailored views (five nodes, threshold 3): the server forwards node
+    1000 the key shares of 1001 and 1002 only (so that 1000 would mask with those two),
+    and tells each node its own dead list: 1001 hears 1002 dead, 1002 hears 1001 dead,
+    1003 and 1004 hear both dead. Answered, the answers would hold 3 shares of 1000's
+    seed and of 1001's and 1002's mask keys: 1000's vector."""
     ids = [1000, 1001, 1002, 1003, 1004]
     dead = {1000: [], 1001: [1002], 1002: [1001], 1003: [1001, 1002], 1004: [1001, 1002]}
+    dst = msg.metadata.dst_node_id
+    if rec.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS and dst == 1000:
+        keep = [i for i, src in enumerate(rec[Key.SOURCE_LIST]) if src in (1001, 1002)]
+        msg.content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord({
+            Key.STAGE: rec[Key.STAGE], Key.SOURCE_LIST: [rec[Key.SOURCE_LIST][i] for i in keep],
+            Key.CIPHERTEXT_LIST: [rec[Key.CIPHERTEXT_LIST][i] for i in keep]})
+    if rec.get(Key.STAGE) == Stage.UNMASK:
+        held = [1000, 1001, 1002] if dst == 1000 else ids
+        return [unmask(dst, [n for n in held if n not in dead[dst]], dead[dst])]
+    return [msg]
 
-    def tailored(msg: Message, rec: dict) -> list[Message]:
-        dst = msg.metadata.dst_node_id
-        if rec.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS and dst == 1000:
-            keep = [i for i, src in enumerate(rec[Key.SOURCE_LIST]) if src in (1001, 1002)]
-            msg.content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord({
-                Key.STAGE: rec[Key.STAGE], Key.SOURCE_LIST: [rec[Key.SOURCE_LIST][i] for i in keep],
-                Key.CIPHERTEXT_LIST: [rec[Key.CIPHERTEXT_LIST][i] for i in keep]})
-        if rec.get(Key.STAGE) == Stage.UNMASK:
-            held = [1000, 1001, 1002] if dst == 1000 else ids
-            return [unmask(dst, [n for n in held if n not in dead[dst]], dead[dst])]
-        return [msg]
 
-    _, grid = run(5, tailored, tmp_path, **{"dropout-tolerance": 0.4})
-    assert not refusals(grid, Stage.UNMASK) and not refusals(grid, Stage.COLLECT_MASKED_VECTORS)
-    assert set(recover(grid)) >= {1000} and recovered_owners(grid, spy) == 1
+def test_tailored_views_from_five_nodes_are_refused(tmp_path, monkeypatch):
+    """Against nodes without flwr-jdp's checks (Flower's own let a node mask with fewer
+    peers than the key set, and reveal a dead node's mask key on the server's word) the
+    attack recovers node 1000's vector. Each node masks with every node of the key set and
+    reveals no mask key without the consistency round: node 1000 refuses the collect
+    stage, the others the unmask requests, and nothing is recovered."""
+    spy = Spy(monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(secure_sum._Session, "check", lambda self, me, rec: rec.get(Key.STAGE))
+        _, grid = run(5, tailored_views, tmp_path / "unchecked", **{"dropout-tolerance": 0.4})
+    assert not refusals(grid, Stage.UNMASK) and recovered_owners(grid, spy) == 1
+    spy.vectors.clear()
+    strategy, grid = run(5, tailored_views, tmp_path, **{"dropout-tolerance": 0.4})
+    assert "missing: [1003, 1004]" in refusals(grid, Stage.COLLECT_MASKED_VECTORS)[1000]
+    assert strategy._secure.total is None and recovered_owners(grid, spy) == 0

@@ -135,12 +135,12 @@ class _Session:
             self.keys = keys
         elif stage == Stage.COLLECT_MASKED_VECTORS:
             sources = cast(list[int], rec.get(Key.SOURCE_LIST, []))
-            if len(set(sources)) != len(sources) or not set(sources) <= self.keys - {me}:
-                raise SecureSumRefused("collect: key shares from nodes this node did not share keys with "
-                                       f"(or twice): {sorted(set(sources) - (self.keys - {me}))[:5]}")
-            if len(sources) + 1 < self.threshold:
-                raise SecureSumRefused(f"collect: key shares from {len(sources)} other nodes, fewer than the "
-                                       f"threshold {self.threshold} less this node")
+            if len(set(sources)) != len(sources) or set(sources) != self.keys - {me}:
+                raise SecureSumRefused(
+                    "collect: key shares not from exactly every other node of the key set (each masks with all): "
+                    f"from nodes this node did not share keys with (or twice): "
+                    f"{sorted(set(sources) - (self.keys - {me}))[:5]}, missing: "
+                    f"{sorted((self.keys - {me}) - set(sources))[:5]}")
             self.sources = set(sources)
         else:
             self._check_unmask(me, cast(list[int], rec.get(Key.ACTIVE_NODE_ID_LIST, [])),
@@ -163,6 +163,14 @@ class _Session:
                                    f"{sorted((set(active) | set(dead)) - held)[:5]}")
         if len(active) < self.threshold:
             raise SecureSumRefused(f"unmask: {len(active)} active nodes, fewer than the threshold {self.threshold}")
+        self._check_confirmed(active, dead)
+
+    def _check_confirmed(self, active: list[int], dead: list[int]) -> None:
+        """The unmask lists are the ones every survivor confirmed: until the consistency
+        round, every node of the key set active and none dead."""
+        if dead or set(active) != self.keys:
+            raise SecureSumRefused("unmask: a node listed dead (or left out): revealing a dead node's mask key "
+                                   "needs the survivors' consistency round first")
 
 
 def _log_trust_once() -> None:

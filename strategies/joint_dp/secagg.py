@@ -152,6 +152,10 @@ class SecureSum:
             return SecureSumResult(None, survivors, dropped, reason or "no masked vector")
         total = parameters_mod(total, m)
         dead = sorted(set(sampled) - set(survivors))
+        if dead:
+            return SecureSumResult(None, survivors, dropped,
+                                   f"{len(dead)} node(s) left after sharing keys; the nodes reveal a dead node's "
+                                   "mask key only after a consistency round; not unmasked")
 
         def unmask(nid: int) -> RecordDict:
             return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
