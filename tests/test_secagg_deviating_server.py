@@ -74,6 +74,17 @@ class DeviatingGrid(InProcessGrid):
         return {nid: reply for nid, rec, reply in self.asked if rec.get(Key.STAGE) == stage}
 
 
+def unchecked(self: secure_sum._Session, me: int, rec: ConfigRecord, context: object) -> str:
+    """A node without flwr-jdp's checks (for the controls): it answers the consistency
+    stage the production server asks for, and passes every other message to Flower's
+    mod, less the confirmations, unchecked."""
+    if rec.get(Key.STAGE) == secure_sum.CONSISTENCY:
+        self.survivors = sorted(rec[secure_sum.SURVIVORS])
+    rec.pop(secure_sum.PEERS, None)
+    rec.pop(secure_sum.CONFIRMATIONS, None)
+    return str(rec.get(Key.STAGE))
+
+
 def secagg_message(dst: int, **values: object) -> Message:
     return Message(RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(dict(values))}), dst_node_id=dst,
                    message_type=MessageType.TRAIN)
@@ -191,6 +202,7 @@ def test_active_and_dead_overlap_is_refused_and_unmasks_nothing(tmp_path, monkey
     spy = Spy(monkeypatch)
     with monkeypatch.context() as m:  # the nodes without flwr-jdp's unmask checks: the review's result
         m.setattr(secure_sum._Session, "_check_unmask", lambda *a: None)
+        m.setattr(secure_sum._Session, "_check_confirmed", lambda *a: None)
         _, grid = run(3, at(Stage.UNMASK, overlap), tmp_path / "unchecked")
     assert recovered_owners(grid, spy) == 3
     spy.vectors.clear()
@@ -256,7 +268,7 @@ def test_a_second_unmask_request_is_refused(tmp_path, monkeypatch):
         return [msg, unmask(msg.metadata.dst_node_id, alive[:3], alive[3:])]
 
     with monkeypatch.context() as m:  # without the check (and Flower's stage order): two vectors recovered
-        m.setattr(secure_sum._Session, "check", lambda self, me, rec: rec.get(Key.STAGE))
+        m.setattr(secure_sum._Session, "check", unchecked)
         m.setattr(sys.modules["flwr.client.mod.secure_aggregation.secaggplus_mod"], "check_stage", lambda *a: None)
         _, grid = run(5, at(Stage.UNMASK, twice), tmp_path / "unchecked", **{"dropout-tolerance": 0.4})
     assert recovered_owners(grid, spy) == 2
@@ -390,7 +402,7 @@ def test_tailored_views_from_five_nodes_are_refused(tmp_path, monkeypatch):
     stage, the others the unmask requests, and nothing is recovered."""
     spy = Spy(monkeypatch)
     with monkeypatch.context() as m:
-        m.setattr(secure_sum._Session, "check", lambda self, me, rec: rec.get(Key.STAGE))
+        m.setattr(secure_sum._Session, "check", unchecked)
         _, grid = run(5, tailored_views, tmp_path / "unchecked", **{"dropout-tolerance": 0.4})
     assert not refusals(grid, Stage.UNMASK) and recovered_owners(grid, spy) == 1
     spy.vectors.clear()

@@ -32,15 +32,18 @@ from 5 nodes on, unmask a sum of fewer than ``t`` nodes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import hmac
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 from typing import cast
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, MessageType
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.client.mod import secaggplus_mod
+from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 from flwr.common import Code, FitRes, Status, log, ndarrays_to_parameters
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 
 from flwr_jdp.joint_dp import protocol
@@ -55,8 +58,19 @@ MIN_NODES = 3
 #: The node's record in ``context.state``: what it saw of the current SecAgg+ session.
 STATE = "flwr-jdp.secure-sum"
 
+#: flwr-jdp's own stage, between SecAgg+'s collect and unmask stages: the server names the
+#: survivors (:data:`SURVIVORS`), and the node answers its confirmations of them, one per
+#: other survivor (:data:`PEERS`, :data:`CONFIRMATIONS`).
+CONSISTENCY = "flwr-jdp.consistency"
+SURVIVORS = "flwr-jdp.survivors"
+#: In the node's consistency answer: the survivors each confirmation is for. In the unmask
+#: request: the survivors whose confirmations for this node the server forwards.
+PEERS = "flwr-jdp.confirmation-peers"
+CONFIRMATIONS = "flwr-jdp.confirmations"
+
 _LEFT = "left"  # the node refused or failed a stage: nothing but a new set-up until the next session
-_ORDER = Stage.all()
+_ORDER = [*Stage.all()[:3], CONSISTENCY, Stage.UNMASK]
+_LABEL = b"flwr-jdp secure-sum consistency v1"
 _trust_logged = False
 
 
@@ -95,6 +109,35 @@ def _setup_nodes(rec: ConfigRecord) -> int:
     return max(int(cast(int, rec.get(Key.SAMPLE_NUMBER, 0))), int(cast(int, rec.get(Key.SHARE_NUMBER, 0))))
 
 
+def _ids(nodes: Iterable[int]) -> bytes:
+    return b"".join(int(n).to_bytes(8, "big") for n in nodes)
+
+
+def confirmation(flower: SecAggPlusState, sender: int, receiver: int, survivors: Iterable[int]) -> bytes:
+    """``sender``'s confirmation for ``receiver`` that the survivors are ``survivors``:
+    HMAC-SHA256 under a key derived (HKDF-Expand, one block, with a label of its own)
+    from the two nodes' pairwise key (Flower's ``generate_shared_key`` of one's ``sk2``
+    and the other's ``pk2``, which Flower's mod keeps for the key shares it encrypts:
+    symmetric, fresh each session, never revealed), over the sender, the receiver, the
+    key set as this node saw it (ids and both public keys) and the sorted survivors.
+    ``flower``: this node's SecAgg+ state, the sender or the receiver being this node."""
+    me = flower.nid
+    peer = receiver if sender == me else sender
+    mac_key = hmac.new(flower.ss2_dict[peer], _LABEL + b"\x01", hashlib.sha256).digest()
+    keys = hashlib.sha256()
+    for nid in sorted(flower.public_keys_dict):
+        pk1, pk2 = flower.public_keys_dict[nid]
+        keys.update(_ids([nid, len(pk1), len(pk2)]) + pk1 + pk2)
+    ordered = sorted(survivors)
+    return hmac.new(mac_key, _ids([sender, receiver]) + keys.digest() + _ids([len(ordered), *ordered]),
+                    hashlib.sha256).digest()
+
+
+def _flower_state(context: Context) -> SecAggPlusState:
+    """This node's state as Flower's SecAgg+ mod keeps it: its keys and pairwise keys."""
+    return SecAggPlusState(**context.state.config_records.get(RECORD_KEY_STATE, ConfigRecord({})))
+
+
 class _Session:
     """What this node saw of the current SecAgg+ session, kept in ``context.state``."""
 
@@ -105,15 +148,19 @@ class _Session:
         self.threshold = int(cast(int, rec.get("threshold", 0)))
         self.keys = set(cast(list[int], rec.get("keys", [])))
         self.sources = set(cast(list[int], rec.get("sources", [])))
+        self.survivors = sorted(cast(list[int], rec.get("survivors", [])))
 
     def save(self, context: Context) -> None:
         context.state.config_records[STATE] = ConfigRecord({
             "stage": self.stage, "nodes": self.nodes, "threshold": self.threshold,
-            "keys": sorted(self.keys), "sources": sorted(self.sources)})
+            "keys": sorted(self.keys), "sources": sorted(self.sources),
+            "survivors": self.survivors})
 
-    def check(self, me: int, rec: ConfigRecord) -> str:
+    def check(self, me: int, rec: ConfigRecord, context: Context) -> str:
         """Check the message of the stage ``rec`` names; remember what it shows and
-        return the stage. Raises :class:`SecureSumRefused` naming the check."""
+        return the stage (an unmask request's confirmations are taken out of ``rec``:
+        Flower's mod gets its own stage's keys only). Raises :class:`SecureSumRefused`
+        naming the check."""
         stage = str(rec.get(Key.STAGE, ""))
         if stage not in _ORDER:
             raise SecureSumRefused(f"unknown SecAgg+ stage {stage!r}")
@@ -121,7 +168,7 @@ class _Session:
             _check_setup(rec)
             self.nodes = _setup_nodes(rec)
             self.threshold = int(cast(int, rec[Key.THRESHOLD]))
-            self.keys, self.sources = set(), set()
+            self.keys, self.sources, self.survivors = set(), set(), []
         elif self.stage not in _ORDER[:-1] or stage != _ORDER[_ORDER.index(self.stage) + 1]:
             raise SecureSumRefused(f"stage out of order: {stage} after {self.stage or 'nothing'} "
                                    "(set-up, share keys, collect, unmask, once each)")
@@ -142,9 +189,21 @@ class _Session:
                     f"{sorted(set(sources) - (self.keys - {me}))[:5]}, missing: "
                     f"{sorted((self.keys - {me}) - set(sources))[:5]}")
             self.sources = set(sources)
+        elif stage == CONSISTENCY:
+            survivors = cast(list[int], rec.get(SURVIVORS, []))
+            if len(set(survivors)) != len(survivors) or not set(survivors) <= self.keys or me not in survivors:
+                raise SecureSumRefused("consistency: survivors listed twice, outside the key set, or without this "
+                                       f"node: {sorted(set(survivors) - self.keys)[:5]}")
+            if len(survivors) < self.threshold:
+                raise SecureSumRefused(f"consistency: {len(survivors)} survivors, fewer than the threshold "
+                                       f"{self.threshold}")
+            self.survivors = sorted(survivors)
         else:
-            self._check_unmask(me, cast(list[int], rec.get(Key.ACTIVE_NODE_ID_LIST, [])),
-                               cast(list[int], rec.get(Key.DEAD_NODE_ID_LIST, [])))
+            active = cast(list[int], rec.get(Key.ACTIVE_NODE_ID_LIST, []))
+            dead = cast(list[int], rec.get(Key.DEAD_NODE_ID_LIST, []))
+            peers, macs = cast(list[int], rec.pop(PEERS, [])), cast(list[bytes], rec.pop(CONFIRMATIONS, []))
+            self._check_unmask(me, active, dead)
+            self._check_confirmed(_flower_state(context), active, dead, peers, macs)
         self.stage = stage
         return stage
 
@@ -163,14 +222,32 @@ class _Session:
                                    f"{sorted((set(active) | set(dead)) - held)[:5]}")
         if len(active) < self.threshold:
             raise SecureSumRefused(f"unmask: {len(active)} active nodes, fewer than the threshold {self.threshold}")
-        self._check_confirmed(active, dead)
 
-    def _check_confirmed(self, active: list[int], dead: list[int]) -> None:
-        """The unmask lists are the ones every survivor confirmed: until the consistency
-        round, every node of the key set active and none dead."""
-        if dead or set(active) != self.keys:
-            raise SecureSumRefused("unmask: a node listed dead (or left out): revealing a dead node's mask key "
-                                   "needs the survivors' consistency round first")
+    def confirm(self, flower: SecAggPlusState) -> RecordDict:
+        """The consistency answer: this node's confirmation of the survivors for each
+        other survivor (:func:`confirmation`)."""
+        peers = [n for n in self.survivors if n != flower.nid]
+        return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
+            PEERS: peers, CONFIRMATIONS: [confirmation(flower, flower.nid, z, self.survivors) for z in peers]})})
+
+    def _check_confirmed(self, flower: SecAggPlusState, active: list[int], dead: list[int], peers: list[int],
+                         macs: list[bytes]) -> None:
+        """The unmask lists are the survivors this node confirmed (active) and the rest of
+        the key set (dead), and every other survivor confirmed the same survivors to this
+        node (:func:`confirmation`, checked in constant time)."""
+        survivors = set(self.survivors)
+        if sorted(active) != self.survivors or set(dead) != self.keys - survivors or len(dead) != len(set(dead)):
+            raise SecureSumRefused("unmask: the lists are not the survivors this node confirmed (active) and the "
+                                   "rest of the key set (dead)")
+        me = flower.nid
+        if len(set(peers)) != len(peers) or set(peers) != survivors - {me} or len(macs) != len(peers):
+            raise SecureSumRefused("unmask: confirmations not from exactly every other survivor; missing: "
+                                   f"{sorted(survivors - {me} - set(peers))[:5]}")
+        bad = [z for z, mac in zip(peers, macs, strict=True)
+               if not isinstance(mac, bytes) or not hmac.compare_digest(mac, confirmation(flower, z, me, self.survivors))]
+        if bad:
+            raise SecureSumRefused(f"unmask: confirmations that do not verify (forged, or for other survivors): "
+                                   f"from {sorted(bad)[:5]}")
 
 
 def _log_trust_once() -> None:
@@ -193,7 +270,8 @@ def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message,
         return call_next(msg, context)
     session = _Session(context)
     try:
-        stage = session.check(msg.metadata.dst_node_id, msg.content.config_records[RECORD_KEY_CONFIGS])
+        stage = session.check(msg.metadata.dst_node_id, msg.content.config_records[RECORD_KEY_CONFIGS], context)
+        confirmed = session.confirm(_flower_state(context)) if stage == CONSISTENCY else None
     except Exception as err:  # a refusal, or a message too malformed to check: the node leaves either way
         session.stage = _LEFT
         session.save(context)
@@ -201,6 +279,9 @@ def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message,
         raise
     if stage == Stage.SETUP:
         _log_trust_once()
+    if confirmed is not None:  # flwr-jdp's own stage: Flower's mod never sees it
+        session.save(context)
+        return Message(confirmed, reply_to=msg)
 
     def train(inner: Message, ctx: Context) -> Message:
         reply = call_next(inner, ctx)
@@ -238,4 +319,5 @@ def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message,
     return reply
 
 
-__all__ = ["MIN_NODES", "STATE", "SecureSumRefused", "minimum_threshold", "secure_sum_mod"]
+__all__ = ["CONFIRMATIONS", "CONSISTENCY", "MIN_NODES", "PEERS", "STATE", "SURVIVORS", "SecureSumRefused",
+           "confirmation", "minimum_threshold", "secure_sum_mod"]

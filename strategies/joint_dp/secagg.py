@@ -47,7 +47,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
-from flwr_jdp.joint_dp.secure_sum import MIN_NODES, minimum_threshold
+from flwr_jdp.joint_dp.secure_sum import CONFIRMATIONS, CONSISTENCY, MIN_NODES, PEERS, SURVIVORS, minimum_threshold
 
 
 @dataclass
@@ -90,6 +90,26 @@ class SecureSum:
                 dropped[nid] = f"{stage}: no reply within the timeout"
         return replies
 
+    def _confirm(self, grid: Grid, survivors: list[int], group: str,
+                 dropped: dict[int, str]) -> dict[int, tuple[list[int], list[bytes]]] | None:
+        """flwr-jdp's consistency stage: every survivor confirms the survivors to every
+        other; returns, for each survivor, the confirmations addressed to it (None if a
+        survivor did not answer, or answered without a confirmation for each other)."""
+        def consistency() -> RecordDict:
+            return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({Key.STAGE: CONSISTENCY, SURVIVORS: survivors})})
+
+        answers = self._exchange(grid, {n: consistency() for n in survivors}, group, dropped, "consistency")
+        forward: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in survivors}
+        for src, rec in answers.items():
+            peers, macs = cast(list[int], rec.get(PEERS, [])), cast(list[bytes], rec.get(CONFIRMATIONS, []))
+            if sorted(peers) != [n for n in survivors if n != src] or len(macs) != len(peers):
+                dropped[src] = "consistency: not one confirmation for each other survivor"
+                continue
+            for dst, mac in zip(peers, macs, strict=True):
+                forward[dst][0].append(src)
+                forward[dst][1].append(mac)
+        return forward if all(n in answers and n not in dropped for n in survivors) else None
+
     def run(self, grid: Grid, contents: dict[int, RecordDict], threshold: int, group: str,
             proceed: Callable[[list[int]], str | None]) -> SecureSumResult:
         """The four stages. ``threshold``: nodes whose shares rebuild a secret (and the
@@ -120,8 +140,9 @@ class SecureSum:
 
         shares = self._exchange(grid, {n: share_keys(n) for n in public}, group, dropped, "share keys")
         sampled = sorted(shares)  # their key shares went out: their pairwise masks are in use
-        if len(sampled) < threshold:
-            return SecureSumResult(None, [], dropped, f"{len(sampled)} nodes after sharing keys < {threshold}")
+        if len(sampled) < len(public):  # each node masks with every node of the key set, or refuses
+            return SecureSumResult(None, [], dropped, f"{len(public) - len(sampled)} node(s) left while sharing "
+                                   "keys (each node masks with every node of the key set); nothing masked")
         forward: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in sampled}
         for src in sampled:
             rec = shares[src]
@@ -152,15 +173,15 @@ class SecureSum:
             return SecureSumResult(None, survivors, dropped, reason or "no masked vector")
         total = parameters_mod(total, m)
         dead = sorted(set(sampled) - set(survivors))
-        if dead:
-            return SecureSumResult(None, survivors, dropped,
-                                   f"{len(dead)} node(s) left after sharing keys; the nodes reveal a dead node's "
-                                   "mask key only after a consistency round; not unmasked")
+        confirmations = self._confirm(grid, survivors, group, dropped)
+        if confirmations is None:
+            return SecureSumResult(None, survivors, dropped, "a survivor did not confirm the survivors; not unmasked")
 
         def unmask(nid: int) -> RecordDict:
             return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
                 Key.STAGE: Stage.UNMASK, Key.ACTIVE_NODE_ID_LIST: list(survivors),
-                Key.DEAD_NODE_ID_LIST: list(dead)})})
+                Key.DEAD_NODE_ID_LIST: list(dead), PEERS: confirmations[nid][0],
+                CONFIRMATIONS: confirmations[nid][1]})})
 
         answers = self._exchange(grid, {n: unmask(n) for n in survivors}, group, dropped, "unmask")
         collected: dict[int, list[bytes]] = {n: [] for n in sampled}
