@@ -13,6 +13,7 @@ server's own unmasking) shows what the check prevents.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections import defaultdict
 from collections.abc import Callable
@@ -90,9 +91,32 @@ def secagg_message(dst: int, **values: object) -> Message:
                    message_type=MessageType.TRAIN)
 
 
-def unmask(dst: int, active: list[int], dead: list[int]) -> Message:
+def unmask(dst: int, active: list[int], dead: list[int],
+           confirmations: tuple[list[int], list[bytes]] = ([], [])) -> Message:
     return secagg_message(dst, **{Key.STAGE: Stage.UNMASK, Key.ACTIVE_NODE_ID_LIST: list(active),
-                                  Key.DEAD_NODE_ID_LIST: list(dead)})
+                                  Key.DEAD_NODE_ID_LIST: list(dead), secure_sum.PEERS: confirmations[0],
+                                  secure_sum.CONFIRMATIONS: confirmations[1]})
+
+
+def confirmations_for(grid: DeviatingGrid, dst: int, senders: list[int]) -> tuple[list[int], list[bytes]]:
+    """The confirmations for ``dst`` the server holds from ``senders`` (the nodes'
+    consistency answers)."""
+    peers, macs = [], []
+    for src, reply in sorted(grid.replies(secure_sum.CONSISTENCY).items()):
+        answer = reply.content.config_records[RECORD_KEY_CONFIGS] if not reply.has_error() else {}
+        for peer, mac in zip(answer.get(secure_sum.PEERS, []), answer.get(secure_sum.CONFIRMATIONS, []), strict=True):
+            if peer == dst and src in senders:
+                peers.append(src)
+                macs.append(mac)
+    return peers, macs
+
+
+def unmask_views(grid: DeviatingGrid, views: dict[int, list[int]]) -> None:
+    """The server asks each node to unmask its own view: active ``views[node]``, dead the
+    rest, with the confirmations for it that it holds from that view's nodes."""
+    for dst, active in views.items():
+        dead = [n for n in views if n not in active]
+        grid.send_and_receive([unmask(dst, active, dead, confirmations_for(grid, dst, active))])
 
 
 def at(stage: str, change: Callable[[Message, dict], list[Message]]) -> Deviate:
@@ -112,12 +136,13 @@ def run(nodes: int, deviate: Deviate | None, tmp_path, **over: object) -> tuple[
     return strategy, grid
 
 
-def recover(grid: DeviatingGrid) -> dict[int, np.ndarray]:
-    """The server's best try at each node's vector from what it holds: the masked vector,
-    minus the self mask rebuilt from the shares of the node's seed it was sent, minus each
-    pairwise mask the node added, rebuilt from either end's mask key (its shares) and the
-    other end's public key. A node whose seed or one of whose pairwise keys cannot be
-    rebuilt is not recovered."""
+def recover(grid: DeviatingGrid, size: int = 1) -> dict[tuple[int, ...], np.ndarray]:
+    """The server's best try at the sum of the vectors of every ``size`` nodes (each
+    node's vector for ``size`` 1) from what it holds: their masked vectors, minus each
+    one's self mask rebuilt from the shares of its seed it was sent, minus each pairwise
+    mask with a node outside the set (those within cancel in the sum), rebuilt from
+    either end's mask key (its shares) and the other end's public key. A set one of whose
+    seeds or such pairwise keys cannot be rebuilt is not recovered."""
     pk1 = {n: r.content.config_records[RECORD_KEY_CONFIGS][Key.PUBLIC_KEY_1]
            for n, r in grid.replies(Stage.SETUP).items() if not r.has_error()}
     masked = {n: [bytes_to_ndarray(b) for b in r.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]]
@@ -147,22 +172,29 @@ def recover(grid: DeviatingGrid) -> dict[int, np.ndarray]:
             return None
 
     keys = {n: k for n in list(key_shares) if (k := checked_key(n)) is not None}
-    out = {}
-    for nid, vec in masked.items():
+
+    def unmasked(nid: int, within: tuple[int, ...]) -> list[np.ndarray] | None:
+        vec, outside = masked[nid], [o for o in sources[nid] if o not in within]
         seed = rebuilt(seed_shares[nid])
-        if seed is None or any(nid not in keys and other not in keys for other in sources[nid]):
-            continue
+        if seed is None or any(nid not in keys and other not in keys for other in outside):
+            return None
         shapes = [a.shape for a in vec]
         try:  # a seed rebuilt from too few shares is garbage, which Flower's generator may refuse
             x = [a.astype(np.int64) - m for a, m in zip(vec, pseudo_rand_gen(seed, MODULUS, shapes), strict=True)]
-            for other in sources[nid]:  # the pairwise key from either end's rebuilt mask key
+            for other in outside:  # the pairwise key from either end's rebuilt mask key
                 mine, theirs = (nid, other) if nid in keys else (other, nid)
                 shared = generate_shared_key(bytes_to_private_key(keys[mine]), bytes_to_public_key(pk1[theirs]))
                 mask = pseudo_rand_gen(shared, MODULUS, shapes)
                 x = [a - m if nid > other else a + m for a, m in zip(x, mask, strict=True)]
         except Exception:  # noqa: BLE001 (no usable seed)
-            continue
-        out[nid] = np.concatenate([np.mod(a, MODULUS).ravel() for a in x[1:]])  # the first entry is SecAgg+'s weight
+            return None
+        return x
+
+    out = {}
+    for group in itertools.combinations(sorted(masked), size):
+        parts = [unmasked(nid, group) for nid in group]
+        if all(p is not None for p in parts):  # the first entry is SecAgg+'s weight
+            out[group] = np.concatenate([np.mod(sum(a), MODULUS).ravel() for a in zip(*parts, strict=True)][1:])
     return out
 
 
@@ -170,10 +202,12 @@ def owners_vectors(spy: Spy) -> list[np.ndarray]:
     return [np.concatenate([a.ravel() for a in v["field"]]) for v in spy.vectors]
 
 
-def recovered_owners(grid: DeviatingGrid, spy: Spy) -> int:
-    """How many owners' vectors the server recovered, bit for bit."""
-    tries = list(recover(grid).values())
-    return sum(any(np.array_equal(t, own) for t in tries) for own in owners_vectors(spy))
+def recovered_owners(grid: DeviatingGrid, spy: Spy, size: int = 1) -> int:
+    """How many sums of ``size`` owners' vectors (each owner's vector for 1) the server
+    recovered, bit for bit."""
+    tries = list(recover(grid, size).values())
+    sums = [sum(group) % MODULUS for group in itertools.combinations(owners_vectors(spy), size)]
+    return sum(any(np.array_equal(t, own) for t in tries) for own in sums)
 
 
 def refusals(grid: DeviatingGrid, stage: str) -> dict[int, str]:
@@ -409,3 +443,111 @@ def test_tailored_views_from_five_nodes_are_refused(tmp_path, monkeypatch):
     strategy, grid = run(5, tailored_views, tmp_path, **{"dropout-tolerance": 0.4})
     assert "missing: [1003, 1004]" in refusals(grid, Stage.COLLECT_MASKED_VECTORS)[1000]
     assert strategy._secure.total is None and recovered_owners(grid, spy) == 0
+
+
+# ------------------------------------------------------------------ the consistency round
+def silent(stage: str, node: int) -> Deviate:
+    return at(stage, lambda msg, rec: [] if msg.metadata.dst_node_id == node else [msg])
+
+
+def test_a_node_dropping_after_sharing_keys_leaves_the_exact_sum_of_the_survivors(tmp_path, monkeypatch):
+    """Dropout tolerance, what the consistency round is for: five nodes, threshold 3, node
+    1002 silent after sharing its keys. The four survivors confirm the same survivors,
+    reveal 1002's mask key and their seeds, and the server unmasks exactly their sum
+    (the same recovery finds it from the answers), and no vector nor a sum of fewer."""
+    spy = Spy(monkeypatch)
+    strategy, grid = run(5, silent(Stage.COLLECT_MASKED_VECTORS, 1002), tmp_path, **{"dropout-tolerance": 0.4})
+    assert strategy.status == "completed" and strategy._secure.survivors == [1000, 1001, 1003, 1004]
+    assert len(spy.vectors) == 4  # 1002 never got its train instruction
+    total = np.concatenate([a.ravel() for a in strategy._secure.total[1:]])
+    assert np.array_equal(total, sum(owners_vectors(spy)) % MODULUS)
+    assert recovered_owners(grid, spy, 4) == 1
+    assert [recovered_owners(grid, spy, k) for k in (1, 2, 3)] == [0, 0, 0]
+
+
+#: Each node's survivors (five nodes, threshold 3): unmasked, 1001, 1003 and 1004 would
+#: reveal 1002's mask key, 1000, 1002 and 1004 1003's, four nodes 1004's, and all five the
+#: seeds of 1000 and 1001: the sum of those two vectors alone.
+TAILORED = {1000: [1000, 1001, 1002], 1001: [1000, 1001, 1003], 1002: [1000, 1001, 1002],
+            1003: [1000, 1001, 1003], 1004: [1000, 1001, 1004]}
+
+
+def tailored_survivors(msg: Message, rec: dict) -> list[Message]:
+    dst = msg.metadata.dst_node_id
+    return [secagg_message(dst, **{**rec, secure_sum.SURVIVORS: TAILORED[dst]})]
+
+
+def test_tailored_survivor_lists_are_refused_and_no_partial_sum_is_recovered(tmp_path, monkeypatch):
+    """Five nodes, every masked vector in; the server tells each node its own survivors
+    (:data:`TAILORED`, each list of at least 3 with the node in it) and asks each to
+    unmask its list, forwarding the confirmations it holds from that list's nodes. Nodes
+    that skip the confirmations' check answer, and the server recovers the sum of 1000's
+    and 1001's vectors alone (2 of 5 nodes: the noise of two owners, below the plan's).
+    Each node refuses (a survivor of its list confirmed another list, or did not confirm
+    to it at all), and no vector nor
+    any sum of fewer than all five nodes is recovered."""
+    spy = Spy(monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(secure_sum._Session, "_check_confirmed", lambda *a: None)
+        _, grid = run(5, at(secure_sum.CONSISTENCY, tailored_survivors), tmp_path / "unchecked",
+                      **{"dropout-tolerance": 0.4})
+        unmask_views(grid, TAILORED)
+    assert not refusals(grid, Stage.UNMASK) and recovered_owners(grid, spy, 2) == 1
+    spy.vectors.clear()
+    strategy, grid = run(5, at(secure_sum.CONSISTENCY, tailored_survivors), tmp_path, **{"dropout-tolerance": 0.4})
+    assert "did not confirm" in strategy._secure.stopped  # the honest driver stops: the answers are for other lists
+    unmask_views(grid, TAILORED)
+    reasons = refusals(grid, Stage.UNMASK)
+    assert len(reasons) == 5 and all("do not verify" in r or "missing" in r for r in reasons.values()), reasons
+    assert [recovered_owners(grid, spy, k) for k in (1, 2, 3, 4)] == [0, 0, 0, 0]
+
+
+def hold_unmask(msg: Message, rec: dict) -> list[Message]:
+    return [] if rec.get(Key.STAGE) == Stage.UNMASK else [msg]
+
+
+@pytest.mark.parametrize("tamper,check", [
+    (lambda peers, macs, own: (peers, macs), None),
+    (lambda peers, macs, own: (peers[1:], macs[1:]), "missing: [1001]"),
+    (lambda peers, macs, own: (peers, [bytes([macs[0][0] ^ 1]) + macs[0][1:], *macs[1:]]), "do not verify"),
+    (lambda peers, macs, own: (peers, [own[peers[0]], *macs[1:]]), "do not verify"),
+])
+def test_a_missing_forged_or_reflected_confirmation_is_refused(tmp_path, monkeypatch, tamper, check):
+    """Five nodes, all in, the unmask requests held back; node 1000 is then asked with
+    its confirmations as forwarded (answered), one missing, one altered, or one replaced
+    by the confirmation 1000 itself sent that peer (a reflection: were the sender and
+    receiver not authenticated, the two would be equal). 1000 refuses each change."""
+    spy = Spy(monkeypatch)
+    _, grid = run(5, hold_unmask, tmp_path, **{"dropout-tolerance": 0.4})
+    ids = [1000, 1001, 1002, 1003, 1004]
+    mine = grid.replies(secure_sum.CONSISTENCY)[1000].content.config_records[RECORD_KEY_CONFIGS]
+    own = dict(zip(mine[secure_sum.PEERS], mine[secure_sum.CONFIRMATIONS], strict=True))
+    grid.deviate = None
+    grid.send_and_receive([unmask(1000, ids, [], tamper(*confirmations_for(grid, 1000, ids), own))])
+    reason = refusals(grid, Stage.UNMASK).get(1000)
+    assert (reason is None) if check is None else (check in str(reason)), reason
+    assert recovered_owners(grid, spy) == 0
+
+
+def test_two_disjoint_consistent_lists_recover_every_vector_below_a_majority_threshold(tmp_path, monkeypatch):
+    """Why the consistency round needs the majority threshold: six nodes and a threshold
+    of 3 (= 6 / 2) against nodes without the majority rule. The server tells 1000-1002
+    the survivors are those three, and 1003-1005 the other three: each list is confirmed
+    by all its nodes, every check passes, and the answers hold both secrets of every
+    node. With the rule (t > n / 2) two confirmed lists share a node, which confirms
+    once: one list in a session."""
+    spy = Spy(monkeypatch)
+    monkeypatch.setattr(secure_sum, "minimum_threshold", lambda nodes: secure_sum.MIN_NODES)
+    halves = {n: [1000, 1001, 1002] if n < 1003 else [1003, 1004, 1005] for n in range(1000, 1006)}
+
+    def split(msg: Message, rec: dict) -> list[Message]:
+        dst = msg.metadata.dst_node_id
+        if rec.get(Key.STAGE) == Stage.SETUP:
+            return [secagg_message(dst, **{**rec, Key.THRESHOLD: 3})]
+        if rec.get(Key.STAGE) == secure_sum.CONSISTENCY:
+            return [secagg_message(dst, **{**rec, secure_sum.SURVIVORS: halves[dst]})]
+        return [msg]
+
+    _, grid = run(6, split, tmp_path, **{"dropout-tolerance": 0.2})
+    unmask_views(grid, halves)
+    assert not refusals(grid, Stage.UNMASK) and recovered_owners(grid, spy) == 6
