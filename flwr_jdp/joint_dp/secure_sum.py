@@ -1,5 +1,6 @@
 """A node's side of the secure sum: Flower's SecAgg+ client mod, with every stage's
-message checked against what the node itself saw.
+message checked against what the node itself saw, and a consistency round of
+flwr-jdp's own before any share is revealed.
 
 Flower's ``secaggplus_mod`` masks the node's vector and answers the server's unmask
 request; it checks little of what the server sends. :func:`secure_sum_mod` wraps it
@@ -10,24 +11,49 @@ of the current SecAgg+ session (one session per round, from its set-up stage on)
   threshold ``t`` with ``t >= 3`` and ``t > n / 2`` (``n``: the nodes the secrets are
   shared among), so that no two disjoint sets of nodes both reach ``t``
   (:func:`minimum_threshold`);
-- share keys: the nodes whose public keys it gets include itself, at least ``t`` and at
-  most ``n`` of them;
-- collect: the nodes whose key shares it received are among those;
-- unmask: the active and dead lists are disjoint, the node itself is active, both lie
-  within the nodes whose shares it holds, and at least ``t`` are active; it answers one
-  unmask request per session and every stage only in order.
+- share keys: the nodes whose public keys it gets (the key set ``K``) include itself,
+  at least ``t`` and at most ``n`` of them;
+- collect: key shares from exactly every other node of ``K``, so the node masks its
+  vector with a pairwise mask for each of them (no neighbourhood the server picks);
+- consistency (:data:`CONSISTENCY`, flwr-jdp's own stage, answered here; Flower's mod
+  never sees it): the server names the survivors ``U`` (the nodes whose masked vectors
+  it holds); the node checks ``U`` within ``K``, itself in it, ``|U| >= t``, and answers,
+  for every other node ``Z`` of ``U``, its :func:`confirmation` of ``U`` for ``Z``: an
+  HMAC-SHA256 under a key derived from the pairwise key the two agreed on with Flower's
+  key agreement (the one Flower's mod encrypts their key shares with), over the sender,
+  the receiver, ``K`` with its public keys, and the sorted ``U``;
+- unmask: the request carries the confirmations for this node the server holds (taken
+  out before Flower's mod sees the request); the node answers only if the lists are
+  active ``= U`` and dead the rest of ``K`` and every other node of ``U`` confirmed that ``U``
+  to it; once per session, and every stage only in order.
 
-A node answers, for each other node, with a share of either its self-mask seed (active)
-or its pairwise-mask key (dead), never both, and once per session; a secret needs ``t``
-of at most ``n < 2t`` shares. So the server cannot gather ``t`` shares of both of a
-node's secrets, whatever different nodes are told. A refused stage is an error reply: the node leaves
-the round, with one log line naming the check.
+Why a server that tells nodes different survivors learns only a sum over one ``U``:
+an honest node reveals shares (of the seeds of ``U``'s nodes, of the mask keys of the
+others) only for a ``U`` every node of which confirmed that same ``U`` to it, and a
+node confirms one ``U`` per session. Were two nodes to reveal for ``U != U'``, every node
+of ``U`` and of ``U'`` would have confirmed it, so ``U`` and ``U'`` would be disjoint;
+but each has at least ``t > n / 2`` of the ``n`` nodes, so they meet. Hence every
+share the server receives is for the same ``U`` and ``K``: for each node, shares of one
+of its two secrets only (the seed if in ``U``, the mask key if not), and a secret needs
+``t`` shares. The server rebuilds the seeds of ``U`` and the mask keys of the rest of ``K``;
+each vector of ``U`` stays hidden by its pairwise masks with the rest of ``U`` (every
+node of ``K`` masked with all of ``K``), which cancel only in the sum over all of
+``U``; the vectors outside ``U`` stay hidden by their seeds. So the server learns the
+sum over ``U`` and nothing else, with ``|U| >= t``. A confirmation names its sender and
+receiver (a server that reflects a node's own confirmation back as its peer's is
+caught) and the session's keys (fresh each session: no replay).
 
-Not covered (docs/guarantees.md): SecAgg+'s public keys are not authenticated, so the
-server is trusted not to substitute them (a server that does plays the other nodes);
-and without a consistency round (which needs authenticated keys too) a server that
-tailors each node's view (which key shares it forwards, which nodes it calls dead) can,
-from 5 nodes on, unmask a sum of fewer than ``t`` nodes.
+What remains trusted (docs/guarantees.md): SecAgg+'s public keys are not authenticated
+(no long-term keys), so the server is trusted not to substitute them: a server that
+does plays the other nodes, confirmations included. Flower seeds each mask's generator
+with 32 bits of its key, hence at least :data:`MIN_NODES` nodes. And ``t`` is the
+server's choice within ``(n / 2, n]``: the nodes check it against the majority rule,
+not against the survivors the noise was planned for, so a server that sets it lower
+than planned and leaves honest nodes out of ``U`` may unmask a sum over fewer owners
+than planned (more than half the nodes still).
+
+A refused stage is an error reply: the node leaves the round, with one log line
+naming the check.
 """
 
 from __future__ import annotations
@@ -254,8 +280,9 @@ def _log_trust_once() -> None:
     global _trust_logged  # noqa: PLW0603 (one line per process)
     if not _trust_logged:
         _trust_logged = True
-        log(INFO, "Secure aggregation: SecAgg+ public keys are not authenticated; the server is trusted not to "
-            "substitute them nor, above 3 nodes, to show nodes different views (docs/guarantees.md)")
+        log(INFO, "Secure aggregation: SecAgg+ with every survivor confirming the same survivors before any "
+            "unmasking; the public keys are not authenticated, so the server is trusted not to substitute them "
+            "(docs/guarantees.md)")
 
 
 def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:

@@ -18,6 +18,16 @@ written here. It differs from Flower's workflow where JointDP needs it:
 - the unmasked result is the sum modulo ``M`` of the nodes' integer vectors, returned
   as such (JointDP decodes it; Flower's workflow dequantises to floats and divides
   by the total weight);
+- every node masks with every node of the key set (the nodes refuse a collect stage
+  without key shares from all of them), so a node leaving while keys are shared stops
+  the round before anything is masked;
+- between collect and unmask, flwr-jdp's consistency stage
+  (:data:`~flwr_jdp.joint_dp.secure_sum.CONSISTENCY`): each survivor confirms the
+  survivor list to every other, and the unmask request forwards each node the
+  confirmations addressed to it (the nodes answer only when every other survivor
+  confirmed the same list; the argument is in
+  :mod:`flwr_jdp.joint_dp.secure_sum`); a survivor that does not confirm stops the
+  round before unmasking;
 - a dropped node's pairwise masks are removed only with the nodes whose vectors are
   in the sum;
 - ``proceed(survivors)`` is asked after the masked vectors arrive: if it says no (too
@@ -112,7 +122,7 @@ class SecureSum:
 
     def run(self, grid: Grid, contents: dict[int, RecordDict], threshold: int, group: str,
             proceed: Callable[[list[int]], str | None]) -> SecureSumResult:
-        """The four stages. ``threshold``: nodes whose shares rebuild a secret (and the
+        """The four stages, and the consistency stage before unmasking. ``threshold``: nodes whose shares rebuild a secret (and the
         fewest nodes that may remain at any stage); ``proceed(survivors)`` returns a
         reason to stop before unmasking, or None."""
         nodes = sorted(contents)
