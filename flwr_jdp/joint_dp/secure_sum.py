@@ -69,7 +69,12 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 from flwr.common import Code, FitRes, Status, log, ndarrays_to_parameters
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
+from flwr.common.secure_aggregation.secaggplus_constants import (
+    RECORD_KEY_CONFIGS,
+    RECORD_KEY_STATE,
+    Key,
+    Stage,
+)
 from flwr.compat.common import recorddict_compat as compat
 
 from flwr_jdp.joint_dp import protocol

@@ -57,7 +57,14 @@ from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
-from flwr_jdp.joint_dp.secure_sum import CONFIRMATIONS, CONSISTENCY, MIN_NODES, PEERS, SURVIVORS, minimum_threshold
+from flwr_jdp.joint_dp.secure_sum import (
+    CONFIRMATIONS,
+    CONSISTENCY,
+    MIN_NODES,
+    PEERS,
+    SURVIVORS,
+    minimum_threshold,
+)
 
 
 @dataclass
