@@ -347,10 +347,11 @@ def test_a_node_refuses_a_secure_sum_it_was_not_planned_for():
     """At the set-up stage a node checks the field, the unit weights and the threshold."""
     from flwr.app import ConfigRecord as CR
 
-    from flwr_jdp.joint_dp.distributed import _check_setup
+    from flwr_jdp.joint_dp.secure_sum import _check_setup
 
     good = {Key.STAGE: Stage.SETUP, Key.CLIPPING_RANGE: float(MODULUS // 2), Key.TARGET_RANGE: MODULUS,
-            Key.MOD_RANGE: MODULUS, Key.MAX_WEIGHT: 1.0, Key.THRESHOLD: 3}
+            Key.MOD_RANGE: MODULUS, Key.MAX_WEIGHT: 1.0, Key.THRESHOLD: 3, Key.SAMPLE_NUMBER: 3,
+            Key.SHARE_NUMBER: 3}
     _check_setup(CR(good))
     for key, value in ((Key.THRESHOLD, 2), (Key.TARGET_RANGE, 2**22), (Key.MAX_WEIGHT, 1000.0)):
         with pytest.raises(RuntimeError, match="refused"):

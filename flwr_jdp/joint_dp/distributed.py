@@ -24,24 +24,18 @@ Unit, sensitivity and noise are stated in :mod:`flwr_jdp.privacy.skellam`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from logging import WARNING
 
 import dp_accounting as dpa
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType
-from flwr.client.mod import secaggplus_mod
-from flwr.common import Code, FitRes, Status, log, ndarrays_to_parameters
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
-from flwr.compat.common import recorddict_compat as compat
+from flwr.app import Context
 
-from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.config import JobConfig, minimum_survivors
 from flwr_jdp.joint_dp.owner_guard import AgreedRelease, Instruction, owner_policy
 from flwr_jdp.joint_dp.owner_store import OWNER_LEDGERS
+from flwr_jdp.joint_dp.secure_sum import MIN_NODES, _check_setup, secure_sum_mod  # noqa: F401 (re-exported)
 from flwr_jdp.privacy.guard import charge
-from flwr_jdp.privacy.skellam import MODULUS, SkellamPlan, round_units, skellam_noise, to_field
+from flwr_jdp.privacy.skellam import SkellamPlan, round_units, skellam_noise, to_field
 
 
 def owner_plan(cfg: JobConfig, noise_multiplier: float, dim: int, scale: float) -> SkellamPlan:
@@ -123,72 +117,6 @@ def encode_release(integer_sum: list[np.ndarray], plan: SkellamPlan, rng: np.ran
         noisy = ints + skellam_noise(ints.size, plan.share_mu, rng).reshape(ints.shape)
         out.append(to_field(noisy))
     return out
-
-
-def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
-    """A ClientApp mod: messages of Flower's SecAgg+ protocol go through Flower's
-    ``secaggplus_mod``; at its collect stage the app's train handler runs (through the
-    app's other mods) and the sum of its reply's arrays (one record per owner the node
-    hosts, each already an element vector modulo :data:`MODULUS`) is what SecAgg+
-    masks. The reply then carries nothing else: no per-owner count or metric. Other
-    messages pass through. :class:`~flwr_jdp.client.JointDPClient` puts it first on
-    the user's ClientApp."""
-    if msg.metadata.message_type != MessageType.TRAIN or RECORD_KEY_CONFIGS not in msg.content.config_records:
-        return call_next(msg, context)
-    _check_setup(msg.content.config_records[RECORD_KEY_CONFIGS])
-
-    def train(inner: Message, ctx: Context) -> Message:
-        reply = call_next(inner, ctx)
-        if reply.has_error():  # refused or failed: this node drops out of the secure sum
-            raise RuntimeError(reply.error.reason)
-        cfg_rec = inner.content.config_records.get(protocol.CONFIG)
-        wanted = len(list(cfg_rec.get(protocol.OWNERS, []))) if cfg_rec is not None else 0
-        if len(reply.content.array_records) != wanted:
-            # an owner of this node failed: its noise share would be missing from the sum the server
-            # unmasks, which counts this node's owners as survivors, so the whole node leaves the round
-            raise RuntimeError(f"{wanted - len(reply.content.array_records)} of this node's {wanted} owners "
-                               "did not release; the node leaves the secure sum")
-        total: list[np.ndarray] | None = None
-        for record in reply.content.array_records.values():
-            arrays = [np.asarray(a, dtype=np.int64) for a in record.to_numpy_ndarrays()]
-            if np.any([np.any((a < 0) | (a >= MODULUS)) for a in arrays]):
-                raise RuntimeError("the release is not a vector of field elements")
-            total = arrays if total is None else [np.mod(t + a, MODULUS) for t, a in zip(total, arrays, strict=True)]
-        if total is None:
-            raise RuntimeError("the train handler replied without arrays")
-        # SecAgg+ maps x in [-M/2, M/2] to x + M/2 (clipping range M/2, M levels): exact for these integers
-        params = [a.astype(np.float64) - MODULUS / 2 for a in total]
-        fitres = FitRes(status=Status(Code.OK, ""), parameters=ndarrays_to_parameters(params), num_examples=1,
-                        metrics={})
-        return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=inner)
-
-    try:
-        return secaggplus_mod(msg, context, train)
-    except Exception:
-        log(WARNING, "Secure aggregation: this node leaves the round (see the error above)")
-        raise
-
-
-#: The fewest nodes a secure sum may hold at any stage. Flower's SecAgg+ seeds each mask's
-#: generator with 32 bits of its key: with two nodes only one pairwise mask hides a node's
-#: vector once the server has unmasked, which a search of 2**32 seeds could remove; with three
-#: or more, at least two masks (64 bits) remain.
-MIN_NODES = 3
-
-
-def _check_setup(rec: ConfigRecord) -> None:
-    """A node takes part only in the secure sum flwr-jdp's server plans: the field and
-    its encoding as :func:`secure_sum_mod` uses them, unit weights, and a reconstruction
-    threshold of at least :data:`MIN_NODES` (an honest server's; a node cannot check the
-    others' replies)."""
-    if rec.get(Key.STAGE) != Stage.SETUP:
-        return
-    expected = {Key.CLIPPING_RANGE: float(MODULUS // 2), Key.TARGET_RANGE: MODULUS, Key.MOD_RANGE: MODULUS,
-                Key.MAX_WEIGHT: 1.0}
-    wrong = [k for k, v in expected.items() if rec.get(k) != v]
-    if wrong or int(rec.get(Key.THRESHOLD, 0)) < MIN_NODES:
-        raise RuntimeError(f"secure aggregation set-up refused: {wrong or 'threshold'} not as flwr-jdp plans it "
-                           f"(ranges 2**31, unit weights, threshold >= {MIN_NODES})")
 
 
 __all__ = ["MIN_NODES", "AgreedDistributed", "UnitEncoder", "agreed_distributed", "charge_distributed", "encode_release",

@@ -16,9 +16,9 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.joint_dp.config import ConfigError
-from flwr_jdp.joint_dp.distributed import MIN_NODES
+from flwr_jdp.joint_dp.config import ConfigError, minimum_survivors
 from flwr_jdp.joint_dp.schedule import OwnerSize, build_schedule, units_of
+from flwr_jdp.joint_dp.secure_sum import MIN_NODES, minimum_threshold
 from flwr_jdp.joint_dp.validation import ArraySpec, max_sampled_units
 from flwr_jdp.node_query import query_nodes
 from flwr_jdp.params import split_names
@@ -132,6 +132,13 @@ class NodeSetup:
             raise ConfigError(f"run-config key '{self._key('noise-placement')}'='distributed' needs at least "
                               f"{MIN_NODES} nodes for secure aggregation (Flower's SecAgg+ masks need three "
                               f"nodes to hide each one's vector); the owners are on {len(hosts)}")
+        survivors, needed = minimum_survivors(len(hosts), self.cfg.dropout_tolerance), minimum_threshold(len(hosts))
+        if survivors < needed:  # the configured dropouts would leave fewer nodes than the threshold nodes accept
+            raise ConfigError(
+                f"run-config key '{self._key('dropout-tolerance')}'={self.cfg.dropout_tolerance} lets "
+                f"{len(hosts) - survivors} of the {len(hosts)} nodes drop out, but the secure sum's threshold over "
+                f"{len(hosts)} nodes is {needed} (more than half, at least {MIN_NODES}): set it below "
+                f"{1 - (needed - 1) / len(hosts):.3g}")
         assert self.schedule is not None
         dim = int(sum(int(np.prod(spec.shape)) for spec in self.spec.values()))
         rate = self.schedule.server_rate

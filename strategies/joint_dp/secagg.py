@@ -10,12 +10,24 @@ written here. It differs from Flower's workflow where JointDP needs it:
 
 - every node is every other node's neighbour (SecAgg's full graph), and the
   reconstruction threshold is the fewest survivors the round accepts, never below 3
-  (:data:`~flwr_jdp.joint_dp.distributed.MIN_NODES`: Flower seeds each mask's
+  (:data:`~flwr_jdp.joint_dp.secure_sum.MIN_NODES`: Flower seeds each mask's
   generator with 32 bits of its key, so with two survivors one unknown mask would
-  hide a node's vector);
+  hide a node's vector) and always more than half the nodes
+  (:func:`~flwr_jdp.joint_dp.secure_sum.minimum_threshold`, the rule every node
+  checks: no two disjoint sets of nodes both reach it);
 - the unmasked result is the sum modulo ``M`` of the nodes' integer vectors, returned
   as such (JointDP decodes it; Flower's workflow dequantises to floats and divides
   by the total weight);
+- every node masks with every node of the key set (the nodes refuse a collect stage
+  without key shares from all of them), so a node leaving while keys are shared stops
+  the round before anything is masked;
+- between collect and unmask, flwr-jdp's consistency stage
+  (:data:`~flwr_jdp.joint_dp.secure_sum.CONSISTENCY`): each survivor confirms the
+  survivor list to every other, and the unmask request forwards each node the
+  confirmations addressed to it (the nodes answer only when every other survivor
+  confirmed the same list; the argument is in
+  :mod:`flwr_jdp.joint_dp.secure_sum`); a survivor that does not confirm stops the
+  round before unmasking;
 - a dropped node's pairwise masks are removed only with the nodes whose vectors are
   in the sum;
 - ``proceed(survivors)`` is asked after the masked vectors arrive: if it says no (too
@@ -45,7 +57,14 @@ from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
-from flwr_jdp.joint_dp.distributed import MIN_NODES
+from flwr_jdp.joint_dp.secure_sum import (
+    CONFIRMATIONS,
+    CONSISTENCY,
+    MIN_NODES,
+    PEERS,
+    SURVIVORS,
+    minimum_threshold,
+)
 
 
 @dataclass
@@ -88,16 +107,36 @@ class SecureSum:
                 dropped[nid] = f"{stage}: no reply within the timeout"
         return replies
 
+    def _confirm(self, grid: Grid, survivors: list[int], group: str,
+                 dropped: dict[int, str]) -> dict[int, tuple[list[int], list[bytes]]] | None:
+        """flwr-jdp's consistency stage: every survivor confirms the survivors to every
+        other; returns, for each survivor, the confirmations addressed to it (None if a
+        survivor did not answer, or answered without a confirmation for each other)."""
+        def consistency() -> RecordDict:
+            return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({Key.STAGE: CONSISTENCY, SURVIVORS: survivors})})
+
+        answers = self._exchange(grid, {n: consistency() for n in survivors}, group, dropped, "consistency")
+        forward: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in survivors}
+        for src, rec in answers.items():
+            peers, macs = cast(list[int], rec.get(PEERS, [])), cast(list[bytes], rec.get(CONFIRMATIONS, []))
+            if sorted(peers) != [n for n in survivors if n != src] or len(macs) != len(peers):
+                dropped[src] = "consistency: not one confirmation for each other survivor"
+                continue
+            for dst, mac in zip(peers, macs, strict=True):
+                forward[dst][0].append(src)
+                forward[dst][1].append(mac)
+        return forward if all(n in answers and n not in dropped for n in survivors) else None
+
     def run(self, grid: Grid, contents: dict[int, RecordDict], threshold: int, group: str,
             proceed: Callable[[list[int]], str | None]) -> SecureSumResult:
-        """The four stages. ``threshold``: nodes whose shares rebuild a secret (and the
+        """The four stages, and the consistency stage before unmasking. ``threshold``: nodes whose shares rebuild a secret (and the
         fewest nodes that may remain at any stage); ``proceed(survivors)`` returns a
         reason to stop before unmasking, or None."""
         nodes = sorted(contents)
         dropped: dict[int, str] = {}
         if len(nodes) < MIN_NODES:
             return SecureSumResult(None, [], {}, f"secure aggregation needs at least {MIN_NODES} nodes")
-        threshold = max(MIN_NODES, min(int(threshold), len(nodes)))
+        threshold = max(minimum_threshold(len(nodes)), min(int(threshold), len(nodes)))
         m = self.modulus
         def setup() -> RecordDict:  # one record per message: the client mod pops its stage key
             return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
@@ -118,8 +157,9 @@ class SecureSum:
 
         shares = self._exchange(grid, {n: share_keys(n) for n in public}, group, dropped, "share keys")
         sampled = sorted(shares)  # their key shares went out: their pairwise masks are in use
-        if len(sampled) < threshold:
-            return SecureSumResult(None, [], dropped, f"{len(sampled)} nodes after sharing keys < {threshold}")
+        if len(sampled) < len(public):  # each node masks with every node of the key set, or refuses
+            return SecureSumResult(None, [], dropped, f"{len(public) - len(sampled)} node(s) left while sharing "
+                                   "keys (each node masks with every node of the key set); nothing masked")
         forward: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in sampled}
         for src in sampled:
             rec = shares[src]
@@ -150,11 +190,15 @@ class SecureSum:
             return SecureSumResult(None, survivors, dropped, reason or "no masked vector")
         total = parameters_mod(total, m)
         dead = sorted(set(sampled) - set(survivors))
+        confirmations = self._confirm(grid, survivors, group, dropped)
+        if confirmations is None:
+            return SecureSumResult(None, survivors, dropped, "a survivor did not confirm the survivors; not unmasked")
 
         def unmask(nid: int) -> RecordDict:
             return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
                 Key.STAGE: Stage.UNMASK, Key.ACTIVE_NODE_ID_LIST: list(survivors),
-                Key.DEAD_NODE_ID_LIST: list(dead)})})
+                Key.DEAD_NODE_ID_LIST: list(dead), PEERS: confirmations[nid][0],
+                CONFIRMATIONS: confirmations[nid][1]})})
 
         answers = self._exchange(grid, {n: unmask(n) for n in survivors}, group, dropped, "unmask")
         collected: dict[int, list[bytes]] = {n: [] for n in sampled}
