@@ -76,11 +76,11 @@ def _neighbours(i: int, seed: int = 1) -> tuple[DataLoader, DataLoader]:
     return (DataLoader(TensorDataset(x, y), batch_size=8), DataLoader(TensorDataset(x2, y2), batch_size=8))
 
 
-def _max_move(placement: str, train_fn, model_fn=Tiny, outlier: bool = False) -> float:  # noqa: ANN001
-    """The largest release difference over neighbouring data sets (record i replaced;
-    ``outlier``: by x = 100 with its label flipped), same noise seed."""
+def _max_move(placement: str, train_fn, model_fn=Tiny, outlier: bool = False, stride: int = 3) -> float:  # noqa: ANN001
+    """The largest release difference over neighbouring data sets (record i replaced,
+    every ``stride``-th; ``outlier``: by x = 100 with its label flipped), same noise seed."""
     moves = []
-    for i in range(0, N, 3):
+    for i in range(0, N, stride):
         a, b = _neighbours(i)
         if outlier:
             x, y = (t.clone() for t in a.dataset.tensors)
@@ -490,3 +490,126 @@ def test_a_run_whose_owners_all_break_a_rule_fails_after_one_round(tmp_path):
     res = load_results(str(tmp_path / "run"))
     assert res["status"] == "failed" and res["rounds_completed"] == 1
     assert [r["round"] for r in PrivacyLedger.load(tmp_path / "run" / "ledger.json").rounds] == [1]
+
+
+# ------------------------- per record by construction: models that mix records
+class _MixedBackward(torch.autograd.Function):
+    """Identity forward; backward hands every row the batch's summed gradient. No
+    setup_context: vmap cannot trace it (the pass runs each record alone)."""
+
+    @staticmethod
+    def forward(ctx, h):  # noqa: ANN001, ANN205
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g.sum(0, keepdim=True).expand_as(g).contiguous()
+
+
+class _ExtremeBackward(torch.autograd.Function):
+    """Backward hands every row the gradient of the most extreme record (the largest
+    hidden row: an outlier's)."""
+
+    @staticmethod
+    def forward(ctx, h):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(h)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        (h,) = ctx.saved_tensors
+        return g[h.norm(dim=1).argmax()].expand_as(g).contiguous()
+
+
+class _MixedVmapRule(torch.autograd.Function):
+    """Identity on a batch; under vmap its own rule hands every record the most extreme
+    record's row (vmap can trace it, but the rule mixes the records it is handed)."""
+
+    @staticmethod
+    def forward(h):  # noqa: ANN001, ANN205
+        return h.view_as(h)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # noqa: ANN001, ANN205
+        pass
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g
+
+    @staticmethod
+    def vmap(info, in_dims, h):  # noqa: ANN001, ANN205
+        h = h.movedim(in_dims[0], 0)
+        extreme = h[h.flatten(1).norm(dim=1).argmax()].expand_as(h)
+        return extreme.detach() + h - h.detach(), 0  # the extreme record's values, each record's own gradient
+
+
+def _through(fn):  # noqa: ANN001, ANN202
+    class Net(_TanhTiny):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(fn.apply(self.body(x))))
+    Net.__name__ = f"Through{fn.__name__}"
+    return Net
+
+
+class _MixesWhenTraining(_TanhTiny):
+    """Adds the batch's mean hidden row to every record, in training mode only (``.item()``:
+    vmap cannot trace it); in eval mode each output row is its record's alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        if self.training and float(h.abs().max().item()) < 1e9:
+            h = h + 5 * h.mean(0, keepdim=True)
+        return self.head(torch.tanh(h))
+
+
+_MIXERS = [_through(_MixedBackward), _through(_ExtremeBackward), _through(_MixedVmapRule),
+           _MixesWhenTraining]
+_MIXER_IDS = ["backward-mixes", "extreme-gradient", "vmap-rule-mixes", "mixes-in-training"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("model_fn", _MIXERS, ids=_MIXER_IDS)
+def test_a_model_that_mixes_records_is_within_the_bound(placement, model_fn, monkeypatch):
+    """Each record's gradient comes from its own forward, loss term and backward, with
+    nothing else in the batch (vmap where it keeps the records apart, else micro-batches
+    of one): a custom autograd.Function whose backward or vmap rule mixes the batch, or
+    a model that mixes records only in training mode, moves the release by at most the
+    DP-SGD sensitivity on neighbouring data sets (an outlier record included)."""
+    from flwr_jdp.training import per_sample
+
+    monkeypatch.setattr(per_sample, "FUNC_FAILED", {})
+    move = _max_move(placement, _personal_fit_then(_sgd_loop()), model_fn, outlier=True)
+    assert 0 < move <= _bound(placement) * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("model_fn", _MIXERS, ids=_MIXER_IDS)
+def test_a_model_that_mixes_records_is_within_the_bound_with_every_record_in_the_batch(model_fn, monkeypatch):
+    """The same models in the DP pass itself (dry run, then the release pass) with every
+    record in the one batch (rate 1): the clipped sum, on neighbouring data sets with an
+    outlier record, moves by at most 2C."""
+    from flwr_jdp.training import per_sample
+    from flwr_jdp.training.user_loop import private_training
+
+    monkeypatch.setattr(per_sample, "FUNC_FAILED", {})
+    train_fn = _sgd_loop()
+
+    def clipped_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)
+        net = model_fn()
+        net.head.requires_grad_(False)
+        data = DataLoader(TensorDataset(x, y), batch_size=8)
+        with private_training(net, data, unit_of_record=torch.arange(N), num_units=N, sample_rate=1.0, steps=1,
+                              noise_multiplier=0.0, clipping_norm=CLIP, generator=torch.Generator().manual_seed(0),
+                              capture=True, train_fn=train_fn) as (private, loader, record):
+            train_fn(private, loader)
+        return torch.cat([t.ravel() for t in record.clipped_sum])
+
+    moves = []
+    for i in range(0, N, 5):
+        a, _ = _neighbours(i)
+        x, y = (t.clone() for t in a.dataset.tensors)
+        base = clipped_sum(x, y)
+        x[i], y[i] = 100.0, 1 - y[i]
+        moves.append(float((clipped_sum(x, y) - base).norm()))
+    assert 0 < max(moves) <= 2 * CLIP * (1 + 1e-4)

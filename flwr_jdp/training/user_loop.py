@@ -12,9 +12,11 @@ For the duration of :func:`private_training` it is handed
   sees the call and computes, in one vectorised pass (``vmap(grad(...))`` over
   ``functional_call``), each record's own term of that loss, its gradient and its
   output, computed on the record alone. The user gets the real output and the real
-  loss value; ``loss.backward()`` then has nothing left to do. Models that pass
-  cannot trace go through Opacus's hooks on the same per-record loss, after a
-  check that their output rows are one record each.
+  loss value; ``loss.backward()`` then has nothing left to do. Where that pass cannot
+  trace the model (or could not keep its records apart: an ``autograd.Function`` with
+  its own ``vmap`` rule), each record's gradient comes from a micro-batch of that one
+  record (its forward, loss term and backward with nothing else in the batch): per
+  record by construction on every path, nothing sampled or checked.
 
 Unit, sensitivity and noise (one place): every ``optimizer.step()`` on the model's
 trainable parameters is preceded by the DP step (an optimizer pre-step hook): the
@@ -50,8 +52,7 @@ Refused on the dry run, whatever the data:
 - the loss is not a torch loss function on the model's output (a hand-written loss,
   the output transformed first), or a second loss on one batch's output;
 - per-record weights in the loss, ``step(closure)``, an optimizer from outside
-  ``torch.optim``, keyword arguments to the model, a model whose output rows are not
-  one record each (Opacus's path), no loss or no optimizer step at all.
+  ``torch.optim``, keyword arguments to the model, no loss or no optimizer step at all.
 
 Without the train function given, the same rules are checked as the block's train
 function runs (what the dry run does).
@@ -73,7 +74,6 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
-from .. import import_opacus_quietly
 from ..privacy.mechanisms import GaussianSumMechanism
 from . import per_sample
 from .dp_sgd import UnitBatch, _draw_batch, batch_sums, clipped_unit_rows
@@ -357,7 +357,7 @@ class _DPPass:
         self.tracked.update((f"b:{n}", b) for n, b in model.named_buffers())
         self.expected = self._values()
         self.engine: per_sample.FuncPerSample | None = None
-        self.gsm = None
+        self.path = "torch.func"  # how the last per-record gradients were computed ("micro-batch")
         #: Distributed noise: turns a batch's clipped per-unit rows into the integer sum
         #: that is captured instead of the clipped sum (:class:`~flwr_jdp.joint_dp.distributed.UnitEncoder`).
         self.encoder: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -379,7 +379,6 @@ class _DPPass:
         self.shapes = _SHAPES
         #: the model's kind and parameter shapes (what the cached shapes and layer roles hold for)
         self.kind = (per_sample.model_kind(model), tuple((n, tuple(p.shape)) for n, p in self.named.items()))
-        self.checked_kinds = _CHECKED_KINDS
         self.dry = False  # the dry run: rules checked, no gradient computed
         self.shown_model = model  # the model whose output the user's code reads
         self.modes: dict[str, bool] | None = None
@@ -554,7 +553,7 @@ class _DPPass:
         parameters; fills the output with each record's output."""
         self.restore("before a loss")
         for p in self.params:
-            p.grad_sample = None  # (Opacus's hooks add to what is there)
+            p.grad_sample = None
         n = fwd.values.shape[0]
         if self.dry:  # the dry run checks the code, it computes no gradient
             self.fill(fwd)
@@ -572,8 +571,11 @@ class _DPPass:
         self.ready_draw = fwd.draw
 
     def _per_record(self, fwd: _Forward, targets: torch.Tensor, loss_one) -> torch.Tensor:  # noqa: ANN001
+        """Each record's gradient of its own term, on the record alone: one vectorised
+        pass where ``vmap`` can trace the model and keep its records apart, else
+        micro-batches of one record (its forward, loss term and backward alone)."""
         kind = per_sample.model_kind(self.model)
-        if per_sample.BACKEND != "opacus" and kind not in per_sample.FUNC_FAILED:
+        if per_sample.BACKEND in ("auto", "func") and kind not in per_sample.FUNC_FAILED:
             try:
                 if self.engine is None:
                     self.engine = per_sample.FuncPerSample(self.model, set_train=False)
@@ -581,6 +583,7 @@ class _DPPass:
                 self.engine._per_record(fwd.inputs, targets, loss_one, len(targets),  # noqa: SLF001
                                         randomness="different", trainable=self.trainable)
                 _LINEAR[(self.kind, *(a.shape[1:] for a in fwd.inputs))] = self.engine.single_row_linear
+                self.path = "torch.func"
                 return self.engine.outputs
             except (MemoryError, torch.OutOfMemoryError):
                 raise
@@ -589,57 +592,29 @@ class _DPPass:
                     self.refuse(f"per-sample gradients by torch.func failed: {type(err).__name__}")
                 reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
                 per_sample.FUNC_FAILED[kind] = reason
-                log(WARNING, "per-sample gradients of %s: torch.func cannot handle the model (%s); using "
-                    "Opacus's hooks", type(self.model).__qualname__, reason)
+                log(WARNING, "per-sample gradients of %s: torch.func cannot handle the model (%s); computing "
+                    "each record's gradient on its own (micro-batches of one record)", type(self.model).__qualname__,
+                    reason)
                 for p in self.params:
                     p.grad_sample = None
-        return self._opacus(fwd, targets, loss_one, kind)
+        return self._micro(fwd.inputs, targets, loss_one)
 
-    def _opacus(self, fwd: _Forward, targets: torch.Tensor, loss_one, kind: tuple) -> torch.Tensor:  # noqa: ANN001
-        if self.gsm is None:
-            import_opacus_quietly()
-            from opacus import GradSampleModule
+    def _micro(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_one) -> torch.Tensor:  # noqa: ANN001
+        """Micro-batches of one: record ``i``'s output and loss term from its own rows only."""
+        def term(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            out = self.model(*(a[i:i + 1] for a in inputs))
+            return loss_one(out, targets[i]), out.detach()[0]
 
-            try:
-                self.gsm = GradSampleModule(self.model, loss_reduction="sum")
-            except Exception as err:  # noqa: BLE001 - Opacus names the unsupported layer
-                self.refuse(f"the model cannot be trained with per-sample gradients ({type(err).__name__})")
-        n = len(targets)
-        if kind not in self.checked_kinds and n > 1:
-            self._check_rows_are_records(fwd.inputs)
-            self.checked_kinds.add(kind)
-        if any(p.requires_grad for name, p in self.named.items() if name not in self.trainable):
-            self.refuse("the train function unfroze parameters outside the release (personal layers?): leave "
-                        "requires_grad as the model is handed over")
+        self.path = "micro-batch"
         try:
-            out = self.gsm(*fwd.inputs)
-            terms = torch.stack([loss_one(out[i:i + 1], targets[i]) for i in range(n)])
-            terms.sum().backward()
-        finally:
-            for p in self.named.values():
-                p.grad = None  # the raw batch gradient is never seen
-        return out.detach()
-
-    def _check_rows_are_records(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Opacus's hooks take row ``i`` of each layer as record ``i``'s: check, in eval
-        mode (no random layer), that each record's output alone is its row of the batch's."""
-        modes = [(m, m.training) for m in self.model.modules()]
-        try:
-            self.model.eval()
-            with torch.no_grad():
-                batch = self.model(*inputs)
-                m = min(len(batch), 16)
-                alone = torch.cat([self.model(*(a[i:i + 1] for a in inputs)) for i in range(m)])
-        finally:
-            for mod, mode in modes:
-                mod.training = mode
-        rows = batch[:m]
-        finite = torch.isfinite(rows).reshape(m, -1).all(1) & torch.isfinite(alone).reshape(m, -1).all(1)
-        scale = 1.0 + float(rows[finite].abs().max()) if bool(finite.any()) else 1.0
-        if not torch.allclose(alone[finite], rows[finite], rtol=1e-4, atol=1e-5 * scale):
-            self.refuse("a record's output depends on the other records of its batch (BatchNorm without running "
-                        "statistics, or a layer that mixes records): per-record clipping cannot bound one "
-                        "record's influence")
+            return per_sample.record_by_record(self.model, {n: self.named[n] for n in self.trainable},
+                                               len(targets), term)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as err:  # noqa: BLE001 - the user's model on one record
+            self.refuse(f"the model cannot compute a record's gradient on that record alone (a batch of one "
+                        f"raised {type(err).__name__}): each record's gradient must come from its own forward pass")
+            raise
 
     # ---------------------------------------------------------------- steps
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -708,8 +683,7 @@ class _DPPass:
         n = len(sample.records)
         if any(not isinstance(getattr(p, "grad_sample", None), torch.Tensor | per_sample.OuterProducts)
                or len(p.grad_sample) != n for p in self.params):
-            self.refuse("the per-record gradients of this batch are missing (the model in eval mode on "
-                        "Opacus's path?)")
+            self.refuse("the per-record gradients of this batch are missing")
         self.restore("before a step")
         if self.dry:
             for p in self.params:
@@ -787,8 +761,6 @@ class _DPPass:
                 p.grad_sample = None
         if self.engine is not None:
             self.engine.close()
-        if self.gsm is not None:
-            self.gsm._close()  # noqa: SLF001 - removes Opacus hooks, leaves the plain model
 
 
 # ------------------------------------------------------- the dry run and the release
@@ -1061,8 +1033,8 @@ class PrivateModule(nn.Module):
 
     @property
     def path(self) -> str:
-        """``torch.func`` or ``opacus``: how the per-sample gradients are computed."""
-        return "opacus" if self._dp_pass.gsm is not None else "torch.func"
+        """``torch.func`` or ``micro-batch``: how the per-record gradients were computed."""
+        return self._dp_pass.path
 
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
         return self._dp_pass.forward(self._module, args, kwargs)
@@ -1173,8 +1145,6 @@ def private_training(
             "epochs as your loop (it is charged accordingly)", sampler.passes, epochs, sampler.passes)
 
 
-#: Model kinds whose output rows were checked to be one record each (Opacus's path).
-_CHECKED_KINDS: set[tuple] = set()
 #: Each model kind's factored linear layers (:class:`~flwr_jdp.training.per_sample.FuncPerSample`).
 _LINEAR: dict[tuple, set[str] | None] = {}
 #: Each model kind's output shape per record, by its inputs' per-record shapes.
