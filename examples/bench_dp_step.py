@@ -148,7 +148,7 @@ def make_variants(build, rule: str, batch: int, steps: int, micro: bool = False)
         """The drop-in's DP pass as ``JointDPClient.train`` runs it: the user's loop given
         to ``private_training`` (its dry run on two synthetic records, then the DP steps on
         the pass's own model and batches, paced by the loop)."""
-        from flwr_jdp.training.user_loop import private_training
+        from flwr_jdp.training.dp_pass import private_training
 
         def loop(net, loader):  # noqa: ANN001
             opt = torch.optim.SGD(net.parameters(), lr=LR)

@@ -36,7 +36,7 @@ under the run config's ``jdp.*`` keys (:func:`flwr_jdp.joint_dp.config.namespace
    release is then computed with the personal parameters at their public values and
    frozen: ``train_fn`` runs on a Poisson loader at exactly the server's sampling
    rate and step count, and every optimizer step applies the clipped, noised
-   gradient (:mod:`flwr_jdp.training.user_loop`). Central noise: one Poisson batch's
+   gradient (:mod:`flwr_jdp.training.dp_pass`). Central noise: one Poisson batch's
    clipped per-unit gradient sum is the release (the server adds the noise).
    Distributed noise: the same pass, each unit's clipped gradient rounded to integers
    and the owner's Skellam share added (:mod:`flwr_jdp.joint_dp.distributed`); the
@@ -86,7 +86,7 @@ from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 from flwr_jdp.records import hosted_owners
-from flwr_jdp.training.user_loop import UserLoopError, private_training
+from flwr_jdp.training.dp_pass import UserLoopError, private_training
 
 TrainFn = Callable[[nn.Module, DataLoader], object]
 
