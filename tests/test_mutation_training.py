@@ -246,7 +246,7 @@ def test_a_step_without_a_loss_or_after_two_losses_is_named():
             for _x, _y in loader:
                 opt.step()  # no loss at all
     net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match=r"^one loss per batch"):
+    with pytest.raises(ul.UserLoopError, match=r"^without loss_fn, one torch loss per batch.*pass loss_fn="):
         with _private(net, q=1.0, steps=1) as (model, loader, _):
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             for x, y in loader:

@@ -70,6 +70,8 @@ from .capture import PrivateModule
 from .capture_types import LOSSES, PendingOutput
 from .common import UserLoopError
 from .entry import PrivateRound, private_training
+from .gradients import LossFn
+from .plan import Plan, dry_run
 
-__all__ = ["LOSSES", "PendingOutput", "PoissonBatches", "PoissonLoader", "PrivateModule", "PrivateRound",
-           "UserLoopError", "private_training"]
+__all__ = ["LOSSES", "LossFn", "PendingOutput", "Plan", "PoissonBatches", "PoissonLoader", "PrivateModule",
+           "PrivateRound", "UserLoopError", "dry_run", "private_training"]

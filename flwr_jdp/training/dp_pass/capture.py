@@ -17,6 +17,32 @@ from .common import UserLoopError, _same_setting, _settings
 from .gradients import _PerRecord
 from .step import _DPStep
 
+#: How a loop the interception cannot follow is written so that it is accepted.
+LOSS_FN_HINT = ("; or pass loss_fn=... to JointDPClient.train (or private_training): your loss of a batch as "
+                "the loader yields it, e.g. loss_fn=lambda net, batch: F.cross_entropy(net(batch[0]), batch[1]), "
+                "lambda net, b: vae_loss(*net(b[0]), b[0]) or lambda net, b: net(**b).loss: any outputs, keyword "
+                "inputs and hand-written or composite losses; it is evaluated on each record alone")
+
+
+def _discarding_closure(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
+    """``optimizer.step``'s arguments with its closure, if any, wrapped: the closure runs as
+    the optimizer calls it (PyTorch Lightning's: its training step and backward), then its
+    gradients are discarded, so the user's optimizer moves none of the parameters."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+
+    def discarded():  # noqa: ANN202 - whatever the closure returns (the loss)
+        loss = closure()
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                p.grad = None
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": discarded}
+    return (args[0], discarded, *args[2:]), kwargs
+
 #: Each model kind's output shape per record, by its inputs' per-record shapes.
 _SHAPES: dict[tuple, tuple] = {}
 
@@ -38,7 +64,7 @@ class _DPPass(_PerRecord, _DPStep):
             return module(*args, **kwargs)
         if kwargs:
             self.refuse(f"keyword arguments to the model's forward ({sorted(kwargs)}) are not supported "
-                        "in the DP pass")
+                        "in the DP pass without loss_fn" + LOSS_FN_HINT)
         batch = self.sampler.tensors
         n = len(self.sampler.current.records) if self.sampler.current is not None else -1
         sources = tuple(_source(a, batch, n, rows_exact=True) if isinstance(a, torch.Tensor) else None
@@ -46,8 +72,8 @@ class _DPPass(_PerRecord, _DPStep):
         if n < 0 or not args or any(s is None for s in sources):
             self.refuse("the model's input is not a tensor of the private loader's current batch (moving it to "
                         "a device, casting or reshaping it is fine): transform records in the data set (its "
-                        "transform or collate_fn), not in the train function; mixing the records of a batch "
-                        "(mixup) breaks per-record clipping")
+                        "transform or collate_fn), or in loss_fn, not in the train function; mixing the records "
+                        "of a batch (mixup) breaks per-record clipping" + LOSS_FN_HINT)
         return self._pending(module, tuple(a.detach() for a in args), sources, n)
 
     def _pending(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], sources: tuple, n: int,
@@ -68,7 +94,8 @@ class _DPPass(_PerRecord, _DPStep):
             with torch.no_grad():
                 one = module(*(a[:1] for a in inputs))
             if not isinstance(one, torch.Tensor) or one.dim() == 0 or one.shape[0] != 1:
-                self.refuse("the model's output must be one tensor with a row per record")
+                self.refuse("without loss_fn the model's output must be one tensor with a row per record (a tuple, "
+                            "dict or ModelOutput is not)" + LOSS_FN_HINT)
             self.shapes[key] = (tuple(one.shape[1:]), one.dtype, one.device)
         return self.shapes[key]
 
@@ -102,18 +129,19 @@ class _DPPass(_PerRecord, _DPStep):
         fwd = out._fwd
         n = fwd.values.shape[0]
         if fwd.draw != self.sampler.drawn or fwd.consumed:
-            self.refuse("one loss per batch, on the model's output for the current batch of the private loader")
+            self.refuse("without loss_fn, one torch loss per batch, on the model's output for the current batch "
+                        "of the private loader (a loss of several terms is not)" + LOSS_FN_HINT)
         target_source = _source(target, self.sampler.tensors, n, rows_exact=False) \
             if isinstance(target, torch.Tensor) else None
         if target_source is None:
             self.refuse("the loss's target is not a tensor of the private loader's current batch (moving it to "
                         "a device, casting or reshaping it is fine): transform records in the data set, not "
-                        "in the train function")
+                        "in the train function" + LOSS_FN_HINT)
         if out.shape[0] != target.shape[0]:
             self.refuse("the loss's input and target have different numbers of rows")
         for name, value in params.items():
             if isinstance(value, torch.Tensor) and value.dim() >= out.dim():
-                self.refuse(f"the loss's '{name}' has a value per record: weights must be per class")
+                self.refuse(f"the loss's '{name}' has a value per record: weights must be per class" + LOSS_FN_HINT)
         if self.modes is None:  # what the release pass runs the model in (the dry run's first loss)
             self.modes = {name: m.training for name, m in self.model.named_modules()}
             self.device = next(iter(self.params)).device
@@ -169,8 +197,8 @@ class _DPPass(_PerRecord, _DPStep):
         if self.refusal is not None:
             raise UserLoopError(self.refusal, structural=True)
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: the optimizer
-            self.refuse("optimizer.step(closure) re-evaluates the loss inside the step: call step() without a "
-                        "closure")
+            self.refuse("without loss_fn, optimizer.step(closure) is not supported (it re-evaluates the loss "
+                        "inside the step): call step() without a closure" + LOSS_FN_HINT)
         if self.user_optimizer is None:
             self.user_optimizer, self.first_settings = optimizer, _settings(optimizer)
             self.optimizer = self._copy(optimizer)
@@ -184,7 +212,7 @@ class _DPPass(_PerRecord, _DPStep):
         if self.foreign:
             self.refuse("a gradient reached the model's output outside a torch loss function (a hand-written "
                         "loss, or the output transformed before the loss): pass the output straight to a torch "
-                        "loss function (reshaping it is fine)")
+                        "loss function (reshaping it is fine)" + LOSS_FN_HINT)
         draw = self.sampler.drawn
         if draw in self.unstepped and self.ready_draw == draw and min(self.unstepped) == draw:
             self._dp_step(draw)

@@ -20,7 +20,8 @@ from ...privacy.mechanisms import GaussianSumMechanism
 from .batches import PoissonBatches, PoissonLoader
 from .capture import PrivateModule, _DPPass
 from .common import _WARNED, UserLoopError
-from .plan import _dry_run
+from .gradients import LossFn
+from .plan import Plan, dry_run
 from .release import _ReleasePass
 
 
@@ -54,6 +55,8 @@ def private_training(
     train_fn: Callable[[nn.Module, DataLoader], object] | None = None,
     release_model: nn.Module | None = None,
     unit_encoder: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
+    plan: Plan | None = None,
 ) -> Iterator[tuple[nn.Module, PoissonLoader, PrivateRound]]:
     """Yield ``(private model, private loader, record)`` for the user's train function.
 
@@ -72,10 +75,22 @@ def private_training(
     release. Without it the block's train function is checked as it runs (a rule it
     breaks raises :class:`UserLoopError`, here or at its step).
 
+    With ``loss_fn`` (``(model, batch) -> scalar tensor``: the loss of a batch, exactly as
+    the loader yields it, as the user's loop computes it; with ``train_fn`` only) the
+    block's train function gets ``model`` itself, not a wrapper, and the DP steps use
+    each record's gradient of ``loss_fn`` on that record alone: any outputs, keyword
+    inputs and loss. ``plan``: the dry run's (:func:`~.plan.dry_run`), when the caller
+    ran it already (before charging the owner); it must be for this ``train_fn`` and
+    ``loss_fn``.
+
     ``unit_encoder`` (distributed noise, with ``capture``): the captured sum is the
     encoder's integer sum of each batch's clipped per-unit rows instead."""
     if unit_encoder is not None and not capture:
         raise ValueError("unit_encoder needs capture=True")
+    if (loss_fn is not None or plan is not None) and train_fn is None:
+        raise ValueError("loss_fn and plan need train_fn (the dry run fixes the optimizer)")
+    if plan is not None:
+        loss_fn = plan.loss_fn
     if not any(p.requires_grad for p in model.parameters()):
         raise UserLoopError("no trainable parameter to train privately")
     # the noise has its own stream, seeded from the round's generator: the k-th step's noise
@@ -90,14 +105,15 @@ def private_training(
     if train_fn is not None:
         import copy
 
-        plan = _dry_run(model, loader, train_fn, steps, epochs, capture)
+        if plan is None:
+            plan = dry_run(model, loader, train_fn, capture=capture, loss_fn=loss_fn)
         release = release_model if release_model is not None else copy.deepcopy(model)
         dp_pass: _DPPass = _ReleasePass(model, release, private_loader, clipping_norm, mech, noise, capture, plan)
     else:
         dp_pass = _DPPass(model, private_loader, clipping_norm, mech, noise, capture)
     dp_pass.encoder = unit_encoder
     record = PrivateRound(steps_planned=int(steps))
-    private = PrivateModule(model, dp_pass)
+    private = model if loss_fn is not None else PrivateModule(model, dp_pass)
     handles = [register_optimizer_step_pre_hook(dp_pass.before_step),
                register_optimizer_step_post_hook(dp_pass.after_step)]
     try:

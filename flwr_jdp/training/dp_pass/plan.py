@@ -17,21 +17,47 @@ from torch.utils.data import DataLoader
 
 from ..dp_sgd import UnitBatch
 from .batches import PoissonBatches, PoissonLoader
-from .capture import PrivateModule, _DPPass
+from .capture import LOSS_FN_HINT, PrivateModule, _discarding_closure, _DPPass
 from .capture_types import _LossCall
-from .common import UserLoopError
+from .common import UserLoopError, _settings
+from .gradients import LossFn
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """What the DP pass takes from the dry run (the train function on synthetic records):
-    the loss, the optimizer, the model's modes and device. Nothing in it depends on the
-    owner's data, so neither does anything decided from it."""
+    the loss (the torch loss call it intercepted, or the user's ``loss_fn``), the
+    optimizer, the model's modes and device. Nothing in it depends on the owner's data,
+    so neither does anything decided from it."""
 
-    call: _LossCall
+    call: _LossCall | None
     optimizer: tuple[type, dict, list[tuple[dict, list[str]]]] | None  # class, defaults, groups
     modes: dict[str, bool]
     device: torch.device
+    loss_fn: LossFn | None = None
+
+
+class _LossFnDry(_DPPass):
+    """The dry run of a loop with ``loss_fn``: the train function trains the model itself
+    (a copy, its class unchanged); its first optimizer step over the model's trainable
+    parameters fixes the optimizer (checked as :meth:`_DPPass._copy` checks it), the modes
+    and the device; ``step(closure)`` runs the closure, whose gradients are discarded."""
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
+        if self.inside or not self.owns(optimizer):
+            return None
+        if self.user_optimizer is None:
+            self.user_optimizer, self.first_settings = optimizer, _settings(optimizer)
+            self._copy(optimizer)
+            self.modes = {name: m.training for name, m in self.model.named_modules()}
+            self.device = next(iter(self.params)).device
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                p.grad = None
+        return _discarding_closure(optimizer, args, kwargs)
+
+    def after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        pass
 
 
 def _synthetic(item, generator: torch.Generator):  # noqa: ANN001, ANN202
@@ -80,24 +106,27 @@ class _SyntheticSet(torch.utils.data.Dataset):
         return self.items[i % 2]
 
 
-def _dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, steps: int, epochs: int,
-             capture: bool) -> _Plan:
+def dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, *, capture: bool,
+            loss_fn: LossFn | None = None) -> Plan:
     """The train function on a copy of the model and two synthetic records: every rule of
     the DP pass is checked here (a refusal is structural: it cannot depend on the owner's
-    data), and the loss, optimizer, modes and device it used become the plan."""
+    data), and the loss, optimizer, modes and device it used become the plan. The
+    parameters with ``requires_grad`` are the ones made private. With ``loss_fn`` the
+    train function gets the model itself, and ``loss_fn`` must give each synthetic
+    record's gradient on that record alone."""
     import copy
 
     dry_model = copy.deepcopy(model)
     dataset = _SyntheticSet(loader.dataset, len(loader.dataset))  # type: ignore[arg-type]
     sampler = _BothRecords(torch.tensor([0, 1]), 2, 1.0, 1, torch.Generator().manual_seed(0), False, 1)
     dry_loader = PoissonLoader(dataset, sampler, loader.collate_fn)
-    dry = _DPPass(dry_model, dry_loader, 1.0, None, torch.Generator().manual_seed(0), capture=True)
+    dry = (_LossFnDry if loss_fn is not None else _DPPass)(dry_model, dry_loader, 1.0, None,
+                                                            torch.Generator().manual_seed(0), capture=True)
     dry.dry = True
-    private = PrivateModule(dry_model, dry)
     handles = [register_optimizer_step_pre_hook(dry.before_step), register_optimizer_step_post_hook(dry.after_step)]
     try:
         try:
-            train_fn(private, dry_loader)
+            train_fn(dry_model if loss_fn is not None else PrivateModule(dry_model, dry), dry_loader)
         except UserLoopError:
             raise
         except Exception as err:  # noqa: BLE001 - the user's code
@@ -106,10 +135,15 @@ def _dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, steps: in
                        "(its message is in the node's log)")
         if dry.refusal is not None:
             raise UserLoopError(dry.refusal, structural=True)
-        if dry.last_loss is None or dry.modes is None:
-            dry.refuse("the train function computed no torch loss on the model's output")
+        if loss_fn is None and (dry.last_loss is None or dry.modes is None):
+            dry.refuse("the train function computed no torch loss on the model's output" + LOSS_FN_HINT)
         if dry.user_optimizer is None and not capture:
             dry.refuse("the train function took no optimizer.step(): take one step per batch of the loader")
+        if dry.modes is None:  # loss_fn without a step (central noise): the model as it came
+            dry.modes = {name: m.training for name, m in model.named_modules()}
+            dry.device = next(iter(dry.params)).device
+        if loss_fn is not None:
+            _check_loss_fn(model, dataset, loader, loss_fn, dry.modes)
     finally:
         for h in handles:
             h.remove()
@@ -123,4 +157,26 @@ def _dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, steps: in
             if ps:
                 groups.append((settings, ps))
         optimizer = (type(dry.user_optimizer), dict(dry.user_optimizer.defaults), groups)
-    return _Plan(dry.last_loss, optimizer, dict(dry.modes), dry.device)
+    return Plan(dry.last_loss, optimizer, dict(dry.modes), dry.device, loss_fn)
+
+
+def _check_loss_fn(model: nn.Module, dataset: _SyntheticSet, loader: DataLoader, loss_fn: LossFn,
+                   modes: dict[str, bool]) -> None:
+    """Each synthetic record's gradient of ``loss_fn`` on that record alone, on a fresh copy
+    of the model in the plan's modes, as the release pass computes it (``vmap`` or
+    micro-batches): a ``loss_fn`` that fails, or returns no scalar, is refused here."""
+    import copy
+
+    from torch.utils.data import default_collate
+
+    check = copy.deepcopy(model)
+    for name, m in check.named_modules():
+        m.training = modes.get(name, m.training)
+    batch = (loader.collate_fn or default_collate)([dataset[0], dataset[1]])
+    sampler = _BothRecords(torch.tensor([0, 1]), 2, 1.0, 1, torch.Generator().manual_seed(0), False, 1)
+    probe = _DPPass(check, PoissonLoader(dataset, sampler, loader.collate_fn), 1.0, None,
+                    torch.Generator().manual_seed(0), capture=True)
+    try:
+        probe._loss_fn_gradients(batch, 2, loss_fn)  # noqa: SLF001
+    finally:
+        probe.close()

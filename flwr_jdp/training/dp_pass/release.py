@@ -11,10 +11,10 @@ from torch import nn
 
 from ...privacy.mechanisms import GaussianSumMechanism
 from .batches import PoissonLoader
-from .capture import _DPPass
+from .capture import _discarding_closure, _DPPass
 from .capture_types import PendingOutput, _Forward, _pending
 from .common import _equal, _same_setting, _settings
-from .plan import _Plan
+from .plan import Plan
 
 
 class _ReleasePass(_DPPass):
@@ -28,7 +28,7 @@ class _ReleasePass(_DPPass):
 
     def __init__(self, user_model: nn.Module, private: nn.Module, loader: PoissonLoader, clipping_norm: float,
                  mechanism: GaussianSumMechanism | None, generator: torch.Generator, capture: bool,
-                 plan: _Plan) -> None:
+                 plan: Plan) -> None:
         private.to(plan.device)
         for name, m in private.named_modules():
             m.training = plan.modes.get(name, m.training)
@@ -102,8 +102,12 @@ class _ReleasePass(_DPPass):
     def _grads(self, draw: int) -> None:
         """Each record's gradient on batch ``draw``, with the plan's loss, on the pass's model."""
         call = self.plan.call
-        sample, tensors, _ = self.unstepped[draw]
+        sample, tensors, batch = self.unstepped[draw]
         n = len(sample.records)
+        if self.plan.loss_fn is not None:
+            self._loss_fn_gradients(batch, n, self.plan.loss_fn)
+            self.ready_draw = draw
+            return
         inputs = tuple(s.of(tensors, n) for s in call.inputs)
         with torch.no_grad():
             fwd = self._pending(self.model, inputs, call.inputs, n, draw)._fwd
@@ -122,18 +126,26 @@ class _ReleasePass(_DPPass):
         ids = {id(p) for p in self.user_params.values() if p.requires_grad}
         return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
 
-    def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
+        """The DP steps due (with ``loss_fn``: one step, on the oldest batch not yet stepped
+        on: a loop that fetches a batch ahead, as PyTorch Lightning does, still takes draw k
+        at its step k); the user's optimizer moves nothing (its gradients, and those of a
+        closure it runs, are discarded)."""
         if self.inside or not self.owns(optimizer):
-            return
+            return None
         if self.user_optimizer is None:
             self.user_optimizer, self.first_settings = optimizer, _settings(optimizer)
         if self.steps_taken >= self.sampler.drawn and self.sampler.drawn:
             self.note("step", "optimizer.step() was called without a new batch (a second step per batch?); "
                               "the DP pass did not step there")
-        self._advance(self.sampler.drawn)
+        if self.plan.loss_fn is None:
+            self._advance(self.sampler.drawn)
+        elif self.unstepped:
+            self._advance(min(self.unstepped))
         for g in optimizer.param_groups:
             for p in g["params"]:
                 p.grad = None  # the user's optimizer moves nothing
+        return _discarding_closure(optimizer, args, kwargs)
 
     def after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self.inside and self.owns(optimizer):

@@ -49,6 +49,7 @@ class _DPStep:
         self.tracked.update((f"b:{n}", b) for n, b in model.named_buffers())
         self.expected = self._values()
         self.engine: per_sample.FuncPerSample | None = None
+        self.loss_engine: per_sample.FuncPerSample | None = None  # over loss_fn (:class:`.gradients._LossOf`)
         self.path = "torch.func"  # how the last per-record gradients were computed ("micro-batch")
         #: Distributed noise: turns a batch's clipped per-unit rows into the integer sum
         #: that is captured instead of the clipped sum (:class:`~flwr_jdp.joint_dp.distributed.UnitEncoder`).
@@ -152,5 +153,6 @@ class _DPStep:
         for p in self.model.parameters():
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
-        if self.engine is not None:
-            self.engine.close()
+        for engine in (self.engine, self.loss_engine):
+            if engine is not None:
+                engine.close()
