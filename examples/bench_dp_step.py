@@ -19,7 +19,10 @@ example's CNN, personal ``fc3``; both on 1x28x28 inputs) and batch size B:
 - ``ours_user_loop``: the drop-in client's DP pass: the same loop given to
   :func:`private_training` (a dry run on two synthetic records, then each record's
   term, gradient and output in one vectorised ``torch.func`` pass on the pass's own
-  model and batch copy, ``BACKEND = "func"``), per step including the dry run's share.
+  model and batch copy, ``BACKEND = "func"``), per step including the dry run's share;
+- ``ours_user_loop_micro`` (``--micro``): the same DP pass with each record's gradient
+  from a micro-batch of one record (``BACKEND = "micro"``: the path for models
+  ``vmap`` cannot trace), to measure its slowdown against the vectorised pass.
 
 Every DP variant samples at rate 1 (the batch is the B records) and runs
 ``--steps`` steps per call (one wrap per call, as in production), timed per step.
@@ -29,6 +32,7 @@ reported figure is the median over ``--reps`` repetitions (after one untimed
 warm-up repetition). Usage:
 
     python examples/bench_dp_step.py            # -> results/bench/dp_step.json, dp_step.png
+    python examples/bench_dp_step.py --micro --batches 16 64 --reps 5   # -> results/bench/dp_step_micro.json
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def ghost_available() -> str | None:
     return None
 
 
-def make_variants(build, rule: str, batch: int, steps: int) -> dict:
+def make_variants(build, rule: str, batch: int, steps: int, micro: bool = False) -> dict:
     """Callables that each run ``steps`` steps of one variant on a fresh model."""
     from flwr_jdp.params import split_parameters
     from flwr_jdp.privacy.mechanisms import GaussianSumMechanism
@@ -140,11 +144,11 @@ def make_variants(build, rule: str, batch: int, steps: int) -> dict:
                 F.cross_entropy(model(xb), yb).backward()
                 opt.step()
 
-    def user_loop():
+    def user_loop(backend: str = "func"):
         """The drop-in's DP pass as ``JointDPClient.train`` runs it: the user's loop given
         to ``private_training`` (its dry run on two synthetic records, then the DP steps on
         the pass's own model and batches, paced by the loop)."""
-        from flwr_jdp.training.user_loop import private_training
+        from flwr_jdp.training.dp_pass import private_training
 
         def loop(net, loader):  # noqa: ANN001
             opt = torch.optim.SGD(net.parameters(), lr=LR)
@@ -153,7 +157,7 @@ def make_variants(build, rule: str, batch: int, steps: int) -> dict:
                 F.cross_entropy(net(xb), yb).backward()
                 opt.step()
 
-        per_sample.BACKEND = "func"
+        per_sample.BACKEND = backend
         params = dict(model.named_parameters())
         data = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=batch)
         with dp_sgd._frozen([params[n] for n in split.personal]), \
@@ -168,6 +172,8 @@ def make_variants(build, rule: str, batch: int, steps: int) -> dict:
     out["ours"] = dp("func")
     out["plain_user_loop"] = plain_user_loop
     out["ours_user_loop"] = user_loop
+    if micro:
+        out["ours_user_loop_micro"] = lambda: user_loop("micro")
     return out
 
 
@@ -176,8 +182,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions (median reported)")
     ap.add_argument("--steps", type=int, default=3, help="steps per call")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench" / "dp_step.json"))
+    ap.add_argument("--micro", action="store_true",
+                    help="also time the drop-in's micro-batch path (one record per forward/backward)")
+    ap.add_argument("--out", default=None, help="default: results/bench/dp_step.json (dp_step_micro.json with "
+                                                "--micro)")
     args = ap.parse_args()
+    args.out = args.out or str(ROOT / "results" / "bench" / ("dp_step_micro.json" if args.micro else "dp_step.json"))
 
     import opacus
 
@@ -185,7 +195,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     t_start, load_start = time.time(), list(os.getloadavg())
-    configs = {(name, b): make_variants(build, rule, b, args.steps)
+    configs = {(name, b): make_variants(build, rule, b, args.steps, args.micro)
                for name, (build, rule) in models().items() for b in args.batches}
     samples = {key: {v: [] for v in variants} for key, variants in configs.items()}
     cpu = {key: {v: [] for v in variants} for key, variants in configs.items()}
@@ -211,12 +221,15 @@ def main() -> None:
             "median_cpu_ms": {v: round(m * 1e3, 3) for v, m in med_cpu.items()},
             "ratio_to_plain_cpu": {v: round(m / med_cpu["plain"], 3) for v, m in med_cpu.items()},
             "user_loop_ratio_to_plain_user_loop": round(med["ours_user_loop"] / med["plain_user_loop"], 3),
+            **({"micro_ratio_to_vmap_user_loop": round(med["ours_user_loop_micro"] / med["ours_user_loop"], 3)}
+               if "ours_user_loop_micro" in med else {}),
             "samples_ms": {v: [round(t * 1e3, 3) for t in s] for v, s in per.items()},
         }
     doc = {
         "what": "seconds per step: plain SGD step vs DP-SGD step (per-sample gradients, clipping, noise, update)",
-        "command": "python examples/bench_dp_step.py" + (f" --reps {args.reps}" if args.reps != 15 else "")
-        + (f" --steps {args.steps}" if args.steps != 3 else ""),
+        "command": "python examples/bench_dp_step.py" + (" --micro" if args.micro else "")
+        + (f" --batches {' '.join(map(str, args.batches))}" if tuple(args.batches) != BATCHES else "")
+        + (f" --reps {args.reps}" if args.reps != 15 else "") + (f" --steps {args.steps}" if args.steps != 3 else ""),
         "repetitions": args.reps, "warmup_repetitions": 1, "steps_per_call": args.steps,
         "interleaving": "every repetition times every variant of a (model, B) once, order rotated per repetition",
         "statistic": "median over repetitions of wall seconds per step (perf_counter); the same for the "
@@ -241,10 +254,12 @@ def main() -> None:
 
 def table(doc: dict) -> str:
     variants = ["plain", "opacus_hooks", "opacus_ghost", "ours", "plain_user_loop", "ours_user_loop"]
+    micro = any("ours_user_loop_micro" in r["median_ms"] for per_b in doc["results"].values() for r in per_b.values())
+    variants += ["ours_user_loop_micro"] if micro else []
     lines = ["Per step, median; multiples of the plain step: wall (CPU).",
              "| model | B | plain wall (CPU) ms | Opacus hooks | Opacus ghost | ours | plain, user's loop | "
-             "ours, user's loop |",
-             "|---|---|---|---|---|---|---|---|"]
+             "ours, user's loop |" + (" ours, user's loop, micro-batches |" if micro else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if micro else "")]
     for name, per_b in doc["results"].items():
         for b, r in per_b.items():
             cells = [f"{r['median_ms']['plain']:.1f} ({r['median_cpu_ms']['plain']:.1f})"]
@@ -266,7 +281,7 @@ def plot(doc: dict, path: Path) -> None:
         per_b = doc["results"][name]
         bs = [int(b) for b in per_b]
         for v, style in (("opacus_hooks", "s-"), ("opacus_ghost", "^-"), ("ours", "o-"),
-                         ("ours_user_loop", "d--")):
+                         ("ours_user_loop", "d--"), ("ours_user_loop_micro", "x:")):
             if v in per_b[str(bs[0])]["ratio_to_plain"]:
                 ax.plot(bs, [per_b[str(b)]["ratio_to_plain"][v] for b in bs], style, label=v)
         ax.axhline(1.0, color="grey", lw=1, label="plain step")

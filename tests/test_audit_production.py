@@ -247,7 +247,7 @@ def test_local_dp_sgd_release_audit():
 
     Claim: the server ledger's epsilon for the round (``Gaussian(2)``; the owner's own
     ledger records the same event), 1.352 at delta 1e-3. Observed on this path (5,000
-    trials a side, 95 %; mutants applied to ``flwr_jdp/training/user_loop.py`` in a copy
+    trials a side, 95 %; mutants applied to ``flwr_jdp/training/dp_pass/`` in a copy
     of the repository, as ``examples/audit/mutants.py`` does): honest 0.532; noise 10x
     smaller 6.258; clipping at 10 C with the noise for C 6.335; the mechanism's noise
     10x smaller 6.258.
@@ -486,7 +486,7 @@ def test_central_grad_sum_release_audit():
     Claim: the strategy's ledger after ``configure_train`` (``Gaussian(2)``), 1.352 at
     delta 1e-3. Observed on this path (10,000 trials a side, 95 %; mutants applied in a
     copy of the repository, as ``examples/audit/mutants.py`` does): honest 0.773;
-    server noise 10x smaller 6.518; owners clipping at 10 C (``user_loop``'s DP step)
+    server noise 10x smaller 6.518; owners clipping at 10 C (``dp_pass``'s DP step)
     with the server's noise for C 6.665.
     """
     from flwr_jdp.strategies import JointDP

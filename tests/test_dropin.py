@@ -262,16 +262,16 @@ def _client_node(run_config, loader=None, model_fn=None):
     return app, jdp, ctx, loader
 
 
-def _setup_and_instruction(app, ctx, z, q, steps, rnd=1):
+def _setup_and_instruction(app, ctx, z, q, steps, rnd=1, model_fn=None, personal="head."):
     InProcessGrid(app, 1, ctx.run_config)  # stamps message identities
-    net = Tiny()
-    public = {n: p.detach().numpy().copy() for n, p in net.named_parameters() if n.startswith("head.")}
+    net = (model_fn or Tiny)()
+    public = {n: p.detach().numpy().copy() for n, p in net.named_parameters() if n.startswith(personal)}
     query = Message(RecordDict({protocol.CONFIG: ConfigRecord(),
                                 protocol.PUBLIC_PERSONAL: protocol.to_record(public)}),
                     dst_node_id=7, message_type=MessageType.QUERY)
     setup = app(query, ctx)
     assert setup.has_content(), setup.error.reason
-    shared = {n: p.detach().numpy().copy() for n, p in net.named_parameters() if not n.startswith("head.")}
+    shared = {n: p.detach().numpy().copy() for n, p in net.named_parameters() if not n.startswith(personal)}
     cfg = ConfigRecord({protocol.ROUND: rnd, protocol.OWNERS: [0], protocol.SAMPLE_RATES: [q],
                         protocol.STEPS: [steps], protocol.NOISE_MULTIPLIER: z, protocol.SESSION: "s1"})
     train = Message(RecordDict({protocol.SHARED: protocol.to_record(shared), protocol.CONFIG: cfg}),

@@ -34,12 +34,13 @@ def _config(placement: str) -> dict:
     return dict(RC, **{"jdp.noise-placement": placement, "jdp.clipping-norm": CLIP, "jdp.noise-seed": 3})
 
 
-def _round(placement: str, train_fn, loader=None, model_fn=Tiny):  # noqa: ANN001
-    app, jdp, ctx, loader = _client_node(_config(placement), loader, model_fn)
+def _round(placement: str, train_fn, loader=None, model_fn=Tiny, loss_fn=None, personal="head."):  # noqa: ANN001
+    config = dict(_config(placement), **{"jdp.personal-layers": f"^{personal.rstrip('.')}\\."})
+    app, jdp, ctx, loader = _client_node(config, loader, model_fn)
     torch.manual_seed(0)  # the same broadcast for neighbouring runs
-    _, _, train = _setup_and_instruction(app, ctx, Z, Q, 1)
+    _, _, train = _setup_and_instruction(app, ctx, Z, Q, 1, model_fn=model_fn, personal=personal)
     torch.manual_seed(0)
-    return jdp.train(train, ctx, model_fn(), loader, train_fn)
+    return jdp.train(train, ctx, model_fn(), loader, train_fn, loss_fn=loss_fn)
 
 
 def _refused(reply, match: str) -> None:  # noqa: ANN001
@@ -76,18 +77,22 @@ def _neighbours(i: int, seed: int = 1) -> tuple[DataLoader, DataLoader]:
     return (DataLoader(TensorDataset(x, y), batch_size=8), DataLoader(TensorDataset(x2, y2), batch_size=8))
 
 
-def _max_move(placement: str, train_fn, model_fn=Tiny, outlier: bool = False) -> float:  # noqa: ANN001
-    """The largest release difference over neighbouring data sets (record i replaced;
-    ``outlier``: by x = 100 with its label flipped), same noise seed."""
+def _max_move(placement: str, train_fn, model_fn=Tiny, outlier: bool = False, stride: int = 3,  # noqa: ANN001
+              as_loader=None, **round_kw) -> float:  # noqa: ANN001
+    """The largest release difference over neighbouring data sets (record i replaced,
+    every ``stride``-th; ``outlier``: by x = 100 with its label flipped), same noise seed.
+    ``as_loader(x, y)``: the loader the model takes (default: a TensorDataset's)."""
+    as_loader = as_loader or (lambda x, y: DataLoader(TensorDataset(x, y), batch_size=8))
     moves = []
-    for i in range(0, N, 3):
+    for i in range(0, N, stride):
         a, b = _neighbours(i)
         if outlier:
             x, y = (t.clone() for t in a.dataset.tensors)
             x[i], y[i] = 100.0, 1 - y[i]
             b = DataLoader(TensorDataset(x, y), batch_size=8)
-        moves.append(float(np.linalg.norm(_release(_round(placement, train_fn, a, model_fn))
-                                          - _release(_round(placement, train_fn, b, model_fn)))))
+        a, b = as_loader(*a.dataset.tensors), as_loader(*b.dataset.tensors)
+        moves.append(float(np.linalg.norm(_release(_round(placement, train_fn, a, model_fn, **round_kw))
+                                          - _release(_round(placement, train_fn, b, model_fn, **round_kw)))))
     return max(moves)
 
 
@@ -96,12 +101,12 @@ def _bound(placement: str) -> float:
 
 
 # ------------------------------------- set aside: the release is the honest one
-def _multi_step_round(placement: str, train_fn, steps: int = 5, model_fn=Tiny):  # noqa: ANN001
+def _multi_step_round(placement: str, train_fn, steps: int = 5, model_fn=Tiny, loss_fn=None):  # noqa: ANN001
     app, jdp, ctx, loader = _client_node(_config(placement), model_fn=model_fn)
     torch.manual_seed(0)
     _, _, train = _setup_and_instruction(app, ctx, Z, Q, steps)
     torch.manual_seed(0)
-    return jdp.train(train, ctx, model_fn(), loader, train_fn)
+    return jdp.train(train, ctx, model_fn(), loader, train_fn, loss_fn=loss_fn)
 
 
 def _as_honest(placement: str, train_fn, caplog, says: str | None, steps: int = 5) -> None:  # noqa: ANN001
@@ -494,3 +499,242 @@ def test_a_run_whose_owners_all_break_a_rule_fails_after_one_round(tmp_path):
     res = load_results(str(tmp_path / "run"))
     assert res["status"] == "failed" and res["rounds_completed"] == 1
     assert [r["round"] for r in PrivacyLedger.load(tmp_path / "run" / "ledger.json").rounds] == [1]
+
+
+# ------------------------- per record by construction: models that mix records
+class _MixedBackward(torch.autograd.Function):
+    """Identity forward; backward hands every row the batch's summed gradient. No
+    setup_context: vmap cannot trace it (the pass runs each record alone)."""
+
+    @staticmethod
+    def forward(ctx, h):  # noqa: ANN001, ANN205
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g.sum(0, keepdim=True).expand_as(g).contiguous()
+
+
+class _ExtremeBackward(torch.autograd.Function):
+    """Backward hands every row the gradient of the most extreme record (the largest
+    hidden row: an outlier's)."""
+
+    @staticmethod
+    def forward(ctx, h):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(h)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        (h,) = ctx.saved_tensors
+        return g[h.norm(dim=1).argmax()].expand_as(g).contiguous()
+
+
+class _MixedVmapRule(torch.autograd.Function):
+    """Identity on a batch; under vmap its own rule hands every record the most extreme
+    record's row (vmap can trace it, but the rule mixes the records it is handed)."""
+
+    @staticmethod
+    def forward(h):  # noqa: ANN001, ANN205
+        return h.view_as(h)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # noqa: ANN001, ANN205
+        pass
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g
+
+    @staticmethod
+    def vmap(info, in_dims, h):  # noqa: ANN001, ANN205
+        h = h.movedim(in_dims[0], 0)
+        extreme = h[h.flatten(1).norm(dim=1).argmax()].expand_as(h)
+        return extreme.detach() + h - h.detach(), 0  # the extreme record's values, each record's own gradient
+
+
+def _through(fn):  # noqa: ANN001, ANN202
+    class Net(_TanhTiny):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(fn.apply(self.body(x))))
+    Net.__name__ = f"Through{fn.__name__}"
+    return Net
+
+
+class _MixesWhenTraining(_TanhTiny):
+    """Adds the batch's mean hidden row to every record, in training mode only (``.item()``:
+    vmap cannot trace it); in eval mode each output row is its record's alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        if self.training and float(h.abs().max().item()) < 1e9:
+            h = h + 5 * h.mean(0, keepdim=True)
+        return self.head(torch.tanh(h))
+
+
+_MIXERS = [_through(_MixedBackward), _through(_ExtremeBackward), _through(_MixedVmapRule),
+           _MixesWhenTraining]
+_MIXER_IDS = ["backward-mixes", "extreme-gradient", "vmap-rule-mixes", "mixes-in-training"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("model_fn", _MIXERS, ids=_MIXER_IDS)
+def test_a_model_that_mixes_records_is_within_the_bound(placement, model_fn, monkeypatch):
+    """Each record's gradient comes from its own forward, loss term and backward, with
+    nothing else in the batch (vmap where it keeps the records apart, else micro-batches
+    of one): a custom autograd.Function whose backward or vmap rule mixes the batch, or
+    a model that mixes records only in training mode, moves the release by at most the
+    DP-SGD sensitivity on neighbouring data sets (an outlier record included)."""
+    from flwr_jdp.training import per_sample
+
+    monkeypatch.setattr(per_sample, "FUNC_FAILED", {})
+    move = _max_move(placement, _personal_fit_then(_sgd_loop()), model_fn, outlier=True)
+    assert 0 < move <= _bound(placement) * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("model_fn", _MIXERS, ids=_MIXER_IDS)
+def test_a_model_that_mixes_records_is_within_the_bound_with_every_record_in_the_batch(model_fn, monkeypatch):
+    """The same models in the DP pass itself (dry run, then the release pass) with every
+    record in the one batch (rate 1): the clipped sum, on neighbouring data sets with an
+    outlier record, moves by at most 2C."""
+    from flwr_jdp.training import per_sample
+    from flwr_jdp.training.user_loop import private_training
+
+    monkeypatch.setattr(per_sample, "FUNC_FAILED", {})
+    train_fn = _sgd_loop()
+
+    def clipped_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)
+        net = model_fn()
+        net.head.requires_grad_(False)
+        data = DataLoader(TensorDataset(x, y), batch_size=8)
+        with private_training(net, data, unit_of_record=torch.arange(N), num_units=N, sample_rate=1.0, steps=1,
+                              noise_multiplier=0.0, clipping_norm=CLIP, generator=torch.Generator().manual_seed(0),
+                              capture=True, train_fn=train_fn) as (private, loader, record):
+            train_fn(private, loader)
+        return torch.cat([t.ravel() for t in record.clipped_sum])
+
+    moves = []
+    for i in range(0, N, 5):
+        a, _ = _neighbours(i)
+        x, y = (t.clone() for t in a.dataset.tensors)
+        base = clipped_sum(x, y)
+        x[i], y[i] = 100.0, 1 - y[i]
+        moves.append(float((clipped_sum(x, y) - base).norm()))
+    assert 0 < max(moves) <= 2 * CLIP * (1 + 1e-4)
+
+
+# --------------------------------------- any loss built from the outputs: loss_fn
+class _VAE(Tiny):
+    """A tuple output (reconstruction, mean, log-variance) and a random latent draw."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        mu, logvar = torch.tanh(h), h - 1.0
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return self.head(z), mu, logvar
+
+
+def _vae_loss(recon: torch.Tensor, mu: torch.Tensor, logvar: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Reconstruction of the first two features plus the KL term."""
+    return F.mse_loss(recon, x[:, :2], reduction="sum") - 0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+
+
+class _Output(dict):
+    """A dict whose keys read as attributes (as Hugging Face's ModelOutput)."""
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _KwargsNet(_TanhTiny):
+    """Keyword inputs, a dict-like output carrying the model's own loss (as Hugging Face's)."""
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> _Output:
+        logits = super().forward(features)
+        return _Output(logits=logits, loss=None if labels is None else F.cross_entropy(logits, labels))
+
+
+class _DictSet(torch.utils.data.Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"features": self.x[i], "labels": self.y[i]}
+
+
+def _loop_of(loss_of, kind: type, seen: list):  # noqa: ANN001, ANN202
+    """The user's loop with ``loss_of(net, batch)`` written out in it; it records the
+    model's class it gets (the model itself with loss_fn, its class unchanged)."""
+    def fn(net: nn.Module, loader: DataLoader) -> None:
+        seen.append(isinstance(net, kind) and type(net) is kind)
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        for batch in loader:
+            opt.zero_grad()
+            loss_of(net, batch).backward()
+            opt.step()
+    return fn
+
+
+def _composite(net: nn.Module, b: tuple) -> torch.Tensor:
+    out = net(b[0])
+    return F.cross_entropy(out, b[1]) + 0.1 * out.pow(2).mean()
+
+
+_LOSS_FN_CASES = {
+    "vae-with-kl": (_VAE, lambda net, b: _vae_loss(*net(b[0]), b[0]), None),
+    "kwargs-dict-output-own-loss": (_KwargsNet, lambda net, b: net(**b).loss,
+                                    lambda x, y: DataLoader(_DictSet(x, y), batch_size=8)),
+    "composite-two-terms": (_TanhTiny, _composite, None),
+}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("case", list(_LOSS_FN_CASES))
+def test_any_loss_given_as_loss_fn_is_within_the_bound(placement, case):
+    """A tuple output with a KL term, keyword inputs with a dict-like output and the
+    model's own loss, a loss of two terms: refused without ``loss_fn`` (the refusal says
+    how to pass it), and with it the train function gets the model itself and the
+    release moves by at most the DP-SGD sensitivity on neighbouring data sets (an
+    outlier record included)."""
+    model_fn, loss_fn, as_loader = _LOSS_FN_CASES[case]
+    seen: list[bool] = []
+    loop = _loop_of(loss_fn, model_fn, seen)
+    loader = (as_loader or (lambda x, y: DataLoader(TensorDataset(x, y), batch_size=8)))(*_loader().dataset.tensors)
+    _refused(_round(placement, loop, loader, model_fn), "pass loss_fn=")
+    seen.clear()  # (without loss_fn its DP pass got the model wrapped)
+    move = _max_move(placement, loop, model_fn, outlier=True, as_loader=as_loader, loss_fn=loss_fn)
+    assert 0 < move <= _bound(placement) * (1 + 1e-4)
+    assert seen and all(seen)
+
+
+def test_with_loss_fn_a_closure_is_accepted_and_the_release_is_the_honest_one(caplog):
+    """``optimizer.step(closure)`` (PyTorch Lightning always calls it) with loss_fn: the
+    closure runs, its gradients are discarded, the DP step is taken: the release is the
+    one of the loop without a closure, and the model the loop holds shows it."""
+    shown = {}
+
+    def closure_loop(net, loader):  # noqa: ANN001
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        for x, y in loader:
+            def again():
+                opt.zero_grad()
+                loss = _composite(net, (x, y))  # noqa: B023 - called at once, inside step
+                loss.backward()
+                return loss
+            opt.step(again)
+        if isinstance(loader, PoissonLoader):
+            shown.update({n: p.detach().clone() for n, p in net.named_parameters() if n.startswith("body.")})
+
+    plain = _release(_multi_step_round("local", _loop_of(_composite, Tiny, []), loss_fn=_composite))
+    with caplog.at_level("WARNING", logger="flwr"):
+        got = _release(_multi_step_round("local", closure_loop, loss_fn=_composite))
+    np.testing.assert_array_equal(got, plain)
+    np.testing.assert_array_equal(torch.cat([shown["body.weight"].ravel(), shown["body.bias"]]).numpy(), got)
+    assert not any("changed" in r.getMessage() for r in caplog.records)

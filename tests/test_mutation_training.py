@@ -246,7 +246,7 @@ def test_a_step_without_a_loss_or_after_two_losses_is_named():
             for _x, _y in loader:
                 opt.step()  # no loss at all
     net = _Tiny()
-    with pytest.raises(ul.UserLoopError, match=r"^one loss per batch"):
+    with pytest.raises(ul.UserLoopError, match=r"^without loss_fn, one torch loss per batch.*pass loss_fn="):
         with _private(net, q=1.0, steps=1) as (model, loader, _):
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             for x, y in loader:
@@ -291,12 +291,25 @@ def test_no_trainable_parameter_and_an_unsupported_model_are_named(monkeypatch):
             pass
     from flwr_jdp.training import per_sample
 
-    monkeypatch.setattr(per_sample, "BACKEND", "opacus")
-    monkeypatch.setattr("opacus.GradSampleModule.__init__",
-                        lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("no layer")))
-    with pytest.raises(ul.UserLoopError, match=r"^the model cannot be trained with per-sample gradients "
-                                               r"\(NotImplementedError\)$"):
-        with _private(_Tiny(), q=1.0, steps=1) as (model, loader, _):
+    class BackwardNeedsTwo(torch.autograd.Function):  # vmap cannot trace it; one record's backward fails
+        @staticmethod
+        def forward(ctx, h):
+            ctx.rows = h.shape[0]
+            return h.view_as(h)
+
+        @staticmethod
+        def backward(ctx, g):
+            assert ctx.rows > 1
+            return g
+
+    class NeedsTwo(_Tiny):
+        def forward(self, x):
+            return self.head(torch.relu(BackwardNeedsTwo.apply(self.body(x))))
+
+    monkeypatch.setattr(per_sample, "FUNC_FAILED", {})
+    with pytest.raises(ul.UserLoopError, match=r"^the model cannot compute a record's gradient on that record "
+                                               r"alone \(a batch of one raised AssertionError\)"):
+        with _private(NeedsTwo(), q=1.0, steps=1) as (model, loader, _):
             _sgd(model, loader)
 
 

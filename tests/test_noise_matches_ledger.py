@@ -92,10 +92,10 @@ def test_joint_dp_local_noise_std_is_each_owners_recorded_event(run_config, unit
     """
     from apps.joint_dp.joint_dp import client_app
     from apps.joint_dp.joint_dp.task import owner_data
-    from flwr_jdp.training import user_loop
+    from flwr_jdp.training.dp_pass import step
 
     if unit == "record":  # the DP step's clipped sum (the optimizer pre-step hook's)
-        monkeypatch.setattr(user_loop, "batch_sums",
+        monkeypatch.setattr(step, "batch_sums",
                             lambda params, batch, c: [torch.zeros_like(p) for p in params])
     else:  # the app's own train function, as the owner-unit release calls it
         monkeypatch.setattr(client_app, "train", lambda *args, **kwargs: None)

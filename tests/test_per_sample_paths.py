@@ -275,16 +275,16 @@ def test_a_model_vmap_cannot_run_falls_back_to_opacus_with_one_log_line(monkeypa
 def test_the_audited_production_path_runs_through_torch_func(monkeypatch):
     """The owner's release as the production audits run it (the project's ClientApp:
     ``client_app.jdp.train`` with the app's ``task.train``, local and central
-    release, record unit) on the audit's probe model with Opacus made unusable: it
+    release, record unit) on the audit's probe model with micro-batches made unusable: it
     must not need it."""
     from flwr_jdp.training import user_loop
     from tests.test_audit_production import _instruction, _owner, _probe, _records, _run_config, app_round
 
-    def no_opacus(*args) -> None:  # noqa: ANN002
-        raise AssertionError("Opacus's hooks were used")
+    def no_micro(*args) -> None:  # noqa: ANN002
+        raise AssertionError("micro-batches were used")
 
     monkeypatch.setattr(per_sample, "BACKEND", "auto")
-    monkeypatch.setattr(user_loop._DPPass, "_opacus", no_opacus)
+    monkeypatch.setattr(user_loop._DPPass, "_micro", no_micro)
     for placement in ("local", "central"):
         model = _probe()
         split = split_parameters(model, r"^head\.")

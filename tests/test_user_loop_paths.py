@@ -1,16 +1,16 @@
 """The user's own training loop (the drop-in client's DP pass) gets the same
-per-record gradients from whole-model ``torch.func`` (the default) as from Opacus's
-hooks.
+per-record gradients from whole-model ``torch.func`` (the default) as from
+micro-batches of one record (the path for models ``vmap`` cannot trace).
 
 :func:`~flwr_jdp.training.user_loop.private_training` hands the user's train
 function a :class:`~flwr_jdp.training.user_loop.PrivateModule` whose output is lazy:
 the torch loss function the user applies to it is computed record by record in one
-vectorised pass. It must release what Opacus's hooks release on the same
+vectorised pass. It must release what micro-batches of one release on the same
 per-record terms (mean or sum reduced, a sequence loss), on the four model families
 of ``tests/test_per_sample_paths.py``, record and user units, central (the clipped
 sum) and local noise (the parameters after noiseless steps with the user's momentum
-optimizer); dropout runs on torch.func; a model it cannot run falls back to Opacus
-with one log line.
+optimizer); dropout runs on torch.func; a model it cannot run falls back to
+micro-batches of one record with one log line.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _run(backend: str, monkeypatch, name: str, unit: str, *, capture: bool, redu
 @pytest.mark.parametrize("name", MODELS)
 def test_the_users_loop_gives_the_same_clipped_sum_on_both_paths(name, unit, monkeypatch):
     fast, path, _ = _run("auto", monkeypatch, name, unit, capture=True)
-    hooks, _, _ = _run("opacus", monkeypatch, name, unit, capture=True)
+    hooks, _, _ = _run("micro", monkeypatch, name, unit, capture=True)
     assert path == "torch.func"
     assert any(float(s.abs().max()) > 0 for s in fast)
     for a, b in zip(fast, hooks, strict=True):
@@ -87,11 +87,11 @@ def test_noiseless_steps_of_the_users_optimizer_end_at_the_same_parameters(name,
     user's mean and sum release the same with one label per record (a sequence's
     term is the mean over its positions under "mean", the sum under "sum")."""
     fast, path, model = _run("auto", monkeypatch, name, "record", capture=False, reduction=reduction)
-    hooks, _, _ = _run("opacus", monkeypatch, name, "record", capture=False, reduction=reduction)
+    hooks, path_alone, _ = _run("micro", monkeypatch, name, "record", capture=False, reduction=reduction)
     other, _, _ = _run("auto", monkeypatch, name, "record", capture=False,
                        reduction="sum" if reduction == "mean" else "mean")
     start, _, _, _ = _case(name)
-    assert path == "torch.func"
+    assert path == "torch.func" and path_alone == "micro-batch"
     moved = [not torch.equal(a, b) for a, b in zip(fast, start.parameters(), strict=True)]
     shared = [p.requires_grad for p in model.parameters()]
     assert moved == shared  # the shared parameters moved, the frozen personal ones did not
@@ -133,7 +133,7 @@ def _one_step(model: nn.Module, loader: DataLoader) -> None:
 def test_a_model_with_dropout_runs_on_torch_func_record_by_record(monkeypatch):
     """Dropout under vmap draws each record's own mask: the per-record gradients are
     those of each record alone (clipped to C), so the clipped sum of a one-record
-    batch has norm <= C and the pass never needs Opacus."""
+    batch has norm <= C and the pass never needs micro-batches."""
     monkeypatch.setattr(per_sample, "BACKEND", "auto")
     monkeypatch.setattr(per_sample, "FUNC_FAILED", {})
     torch.manual_seed(2)
@@ -146,7 +146,7 @@ def test_a_model_with_dropout_runs_on_torch_func_record_by_record(monkeypatch):
 
 
 class _ItemInForward(nn.Module):
-    """``.item()`` in forward: vmap cannot run it; Opacus's hooks can."""
+    """``.item()`` in forward: vmap cannot run it; micro-batches of one can."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -159,7 +159,7 @@ class _ItemInForward(nn.Module):
         return self.head(torch.relu(h) * scale)
 
 
-def test_a_model_vmap_cannot_run_falls_back_to_opacus_with_one_log_line(monkeypatch, caplog):
+def test_a_model_vmap_cannot_run_falls_back_to_micro_batches_with_one_log_line(monkeypatch, caplog):
     monkeypatch.setattr(per_sample, "BACKEND", "auto")
     monkeypatch.setattr(per_sample, "FUNC_FAILED", {})
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
@@ -170,13 +170,14 @@ def test_a_model_vmap_cannot_run_falls_back_to_opacus_with_one_log_line(monkeypa
             runs.append(_capture_round(_ItemInForward(), x, y))
     lines = [r for r in caplog.records if "torch.func cannot handle" in r.getMessage()]
     assert len(lines) == 1 and "_ItemInForward" in lines[0].getMessage()
-    assert [path for _, path in runs] == ["opacus", "opacus"]
-    monkeypatch.setattr(per_sample, "BACKEND", "opacus")
-    torch.manual_seed(0)
-    hooks, _ = _capture_round(_ItemInForward(), x, y)
+    assert [path for _, path in runs] == ["micro-batch", "micro-batch"]
+    alone = []  # each record in a round of its own: the clipped sum is the sum of theirs
+    for i in range(6):
+        torch.manual_seed(0)
+        alone.append(_capture_round(_ItemInForward(), x[i:i + 1], y[i:i + 1])[0])
     for sums, _ in runs:
-        for a, b in zip(sums, hooks, strict=True):
-            torch.testing.assert_close(a, b)
+        for j, s in enumerate(sums):
+            torch.testing.assert_close(s, sum(a[j] for a in alone), rtol=1e-5, atol=1e-7)
     monkeypatch.setattr(per_sample, "BACKEND", "func")  # FLWR_JDP_PER_SAMPLE=func: no fallback
     monkeypatch.setattr(per_sample, "FUNC_FAILED", {})
     with pytest.raises(UserLoopError, match="torch.func failed"):
@@ -185,8 +186,8 @@ def test_a_model_vmap_cannot_run_falls_back_to_opacus_with_one_log_line(monkeypa
 
 
 def test_the_drop_in_release_runs_through_torch_func_by_default(monkeypatch):
-    """Opacus made unusable: the quickstart model's round must not need it."""
-    monkeypatch.setattr(user_loop._DPPass, "_opacus", lambda *a: (_ for _ in ()).throw(AssertionError("Opacus")))
+    """Micro-batches made unusable: the quickstart model's round must not need them."""
+    monkeypatch.setattr(user_loop._DPPass, "_micro", lambda *a: (_ for _ in ()).throw(AssertionError("micro")))
     sums, path, _ = _run("auto", monkeypatch, "quickstart", "record", capture=True)
     assert path == "torch.func" and all(np.isfinite(s.numpy()).all() for s in sums)
 
@@ -213,9 +214,9 @@ class _CentresTheBatch(nn.Module):
 
 
 def test_a_model_that_mixes_records_is_computed_record_by_record_or_refused(monkeypatch):
-    """torch.func runs each record alone (the batch mean of one record is itself):
-    the clipped sum of a batch is the sum of each record's own clipped gradient.
-    Opacus's hooks would take batch-mixed rows as records: refused there."""
+    """torch.func and micro-batches run each record alone (the batch mean of one record
+    is itself): the clipped sum of a batch is the sum of each record's own clipped
+    gradient."""
     monkeypatch.setattr(per_sample, "BACKEND", "auto")
     torch.manual_seed(0)
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
@@ -226,15 +227,16 @@ def test_a_model_that_mixes_records_is_computed_record_by_record_or_refused(monk
         torch.manual_seed(0)
         alone.append(_capture_round(_CentresTheBatch(), x[i:i + 1], y[i:i + 1], _one_step)[0])
     assert path == "torch.func"
-    for j, s in enumerate(sums):
-        torch.testing.assert_close(s, sum(a[j] for a in alone), rtol=1e-4, atol=1e-6)
-    monkeypatch.setattr(per_sample, "BACKEND", "opacus")
+    monkeypatch.setattr(per_sample, "BACKEND", "micro")
     torch.manual_seed(0)
-    with pytest.raises(UserLoopError, match="depends on the other records of its batch"):
-        _capture_round(_CentresTheBatch(), x, y, _one_step)
+    micro, path = _capture_round(_CentresTheBatch(), x, y, _one_step)
+    assert path == "micro-batch"
+    for j, (s, m) in enumerate(zip(sums, micro, strict=True)):
+        torch.testing.assert_close(s, sum(a[j] for a in alone), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(m, sum(a[j] for a in alone), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["func", "opacus"])
+@pytest.mark.parametrize("backend", ["func", "micro"])
 def test_the_train_function_reaches_the_models_own_attributes(backend, monkeypatch):
     """Inside the DP pass the user's train function gets the model wrapped
     (parameters named ``_module.<name>``, as Opacus names them); the model's own
@@ -342,7 +344,7 @@ def test_each_pass_over_the_private_loader_is_one_epoch_of_the_schedule(loop_epo
         assert messages == []
 
 
-@pytest.mark.parametrize("backend", ["func", "opacus"])
+@pytest.mark.parametrize("backend", ["func", "micro"])
 def test_unfrozen_parameters_never_move_and_a_skipped_batch_keeps_the_draw_order(backend, monkeypatch):
     """Parameters outside the release (frozen personal layers) that the train function
     unfreezes get no gradient and never move; a batch drawn but not stepped on, then
@@ -375,11 +377,7 @@ def test_unfrozen_parameters_never_move_and_a_skipped_batch_keeps_the_draw_order
                               generator=torch.Generator().manual_seed(0)) as (private, loader, _):
             fn(private, loader)
 
-    if backend == "opacus":
-        with pytest.raises(UserLoopError, match="unfroze parameters outside the release"):
-            run(unfreezing)
-    else:
-        run(unfreezing)
+    run(unfreezing)
     assert all(torch.equal(a, b) for a, b in zip(before, net[1].parameters(), strict=True))
     net.requires_grad_(True)
     net[1].requires_grad_(False)

@@ -36,7 +36,7 @@ under the run config's ``jdp.*`` keys (:func:`flwr_jdp.joint_dp.config.namespace
    release is then computed with the personal parameters at their public values and
    frozen: ``train_fn`` runs on a Poisson loader at exactly the server's sampling
    rate and step count, and every optimizer step applies the clipped, noised
-   gradient (:mod:`flwr_jdp.training.user_loop`). Central noise: one Poisson batch's
+   gradient (:mod:`flwr_jdp.training.dp_pass`). Central noise: one Poisson batch's
    clipped per-unit gradient sum is the release (the server adds the noise).
    Distributed noise: the same pass, each unit's clipped gradient rounded to integers
    and the owner's Skellam share added (:mod:`flwr_jdp.joint_dp.distributed`); the
@@ -86,7 +86,7 @@ from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 from flwr_jdp.records import hosted_owners
 from flwr_jdp.reply_guard import ReplyGuard, install, joint_dp_guard
-from flwr_jdp.training.user_loop import UserLoopError, private_training
+from flwr_jdp.training.dp_pass import LossFn, UserLoopError, private_training
 
 TrainFn = Callable[[nn.Module, DataLoader], object]
 
@@ -330,12 +330,21 @@ class JointDPClient:
 
     # ------------------------------------------------------------------- train
     def train(self, msg: Message, context: Context, model: nn.Module, train_loader: DataLoader,
-              train_fn: TrainFn) -> Message:
+              train_fn: TrainFn, *, loss_fn: LossFn | None = None) -> Message:
         """Train this node's owner for one round with the user's ``train_fn(model,
         loader)`` and return the reply (shared release only). A refused instruction
-        or an error the user can act on becomes an error reply naming the cause."""
+        or an error the user can act on becomes an error reply naming the cause.
+
+        ``loss_fn(model, batch) -> scalar tensor`` (optional): the loss of ``batch``, exactly
+        as the loader yields it, under ``model``, as ``train_fn`` computes it (e.g.
+        ``lambda net, b: F.cross_entropy(net(b[0]), b[1])``, ``lambda net, b: net(**b).loss``).
+        With it, ``train_fn`` gets the model itself (its class unchanged: a
+        ``LightningModule`` stays one) and the DP steps use each record's gradient of
+        ``loss_fn`` on that record alone, so any outputs, keyword inputs and loss work;
+        ``optimizer.step(closure)`` is accepted. Without it, the loss must be a torch loss
+        on the model's output (docs/dropin.md)."""
         try:
-            return self._train(msg, context, model, train_loader, train_fn)
+            return self._train(msg, context, model, train_loader, train_fn, loss_fn)
         except InstructionRefused as err:
             log(WARNING, "Refused the train instruction (nothing trained or sent): %s", err)
             reason = f"refused: {err}"
@@ -348,7 +357,7 @@ class JointDPClient:
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
 
     def _train(self, msg: Message, context: Context, model: nn.Module, loader: DataLoader,
-               train_fn: TrainFn) -> Message:
+               train_fn: TrainFn, loss_fn: LossFn | None = None) -> Message:
         cfg = self.config(context)
         cfg_rec = msg.content.get(protocol.CONFIG)
         if not isinstance(cfg_rec, ConfigRecord):
@@ -392,8 +401,8 @@ class JointDPClient:
                                          clipping_norm=cfg.clipping_norm, generator=generator,
                                          secure=cfg.secure_noise, capture=central,
                                          epochs=1 if central else cfg.local_epochs, train_fn=train_fn,
-                                         release_model=release_model, unit_encoder=encoder) as (private, ploader,
-                                                                                                record):
+                                         release_model=release_model, unit_encoder=encoder,
+                                         loss_fn=loss_fn) as (private, ploader, record):
                     _run_user_code(train_fn, private, ploader)
             except UserLoopError as err:
                 if err.structural:  # the same code breaks the same rule next round: charge nothing more

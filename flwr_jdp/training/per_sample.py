@@ -29,27 +29,37 @@ the transform only (a thread-local :class:`~torch.overrides.TorchFunctionMode`):
 
 Models the transform cannot handle (BatchNorm, which mixes the records of a batch;
 data-dependent control flow; in-place updates of buffers; ``.item()`` in
-``forward``) make the pass raise; :mod:`~flwr_jdp.training.dp_sgd` then falls back
-to Opacus's hooks for that model class (one log line).
+``forward``) make the pass raise, and so does a model whose records the transform
+could not keep apart: an ``autograd.Function`` with its own ``vmap`` rule, or an
+operator from outside ``aten``/``prims`` (its batching rule may mix the records);
+:mod:`~flwr_jdp.training.dp_sgd` then falls back to Opacus's hooks for that model
+class (one log line).
 
-The drop-in client's DP pass (:mod:`~flwr_jdp.training.user_loop`, the user's own
-loop) uses the same pass with the user's loss function applied to each record alone,
-and keeps each record's output (:attr:`FuncPerSample.outputs`) for the user's code.
+The drop-in client's DP pass (:mod:`~flwr_jdp.training.dp_pass`, the user's own
+loop) uses the same pass with the user's loss applied to each record alone, and
+keeps each record's output (:attr:`FuncPerSample.outputs`) for the user's code;
+where the transform raises, it computes each record's gradient on the record alone
+(:func:`record_by_record`: micro-batches of one), never from a batch's hooks.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._functorch.autograd_function import custom_function_call
 from torch.func import functional_call, grad, vmap
 from torch.overrides import TorchFunctionMode
 
-#: ``auto``: torch.func, with Opacus's hooks for the model classes it fails on;
-#: ``func``: torch.func only (a failure raises); ``opacus``: Opacus's hooks only.
+#: ``auto``: torch.func, with a fallback for the model classes it fails on (flwr-jdp's
+#: own trainer: Opacus's hooks; the drop-in DP pass: micro-batches of one record);
+#: ``func``: torch.func only (a failure raises); ``opacus``: Opacus's hooks only in
+#: flwr-jdp's own trainer, micro-batches of one in the drop-in DP pass (it has no
+#: Opacus path); ``micro``: micro-batches of one in the drop-in DP pass.
 BACKEND = os.environ.get("FLWR_JDP_PER_SAMPLE", "auto")
 #: Records per vectorised call (bounds the transform's working memory).
 CHUNK = 256
@@ -243,6 +253,7 @@ class _Transform(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
+        _check_batching_rule(func, args)
         if func is F.group_norm and self.group_norm:
             return _group_norm(*args, **kwargs)
         if func is F.linear and self.factored:
@@ -254,6 +265,22 @@ class _Transform(TorchFunctionMode):
                 self.inputs[name] = x.detach()
                 return func(*args, **kwargs) + self.zero[name]
         return func(*args, **kwargs)
+
+
+def _check_batching_rule(func, args: tuple) -> None:  # noqa: ANN001
+    """Raise :class:`FuncUnsupported` for a call whose batching rule is not torch's own
+    elementwise-over-records one: an ``autograd.Function`` with a hand-written ``vmap``
+    (it gets the whole chunk and may mix its records; ``generate_vmap_rule`` is safe),
+    or an operator from outside ``aten``/``prims`` (its registered rule may mix them)."""
+    if func is custom_function_call:
+        cls = args[0]
+        if getattr(cls, "vmap", None) is not torch.autograd.Function.vmap and \
+                not getattr(cls, "generate_vmap_rule", False) and cls not in _OWN_RULES:
+            raise FuncUnsupported(f"{cls.__qualname__} has its own vmap rule")
+    elif isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):  # noqa: SLF001
+        namespace = getattr(func, "namespace", None) or str(func).split(".")[0]
+        if namespace not in ("aten", "prims"):
+            raise FuncUnsupported(f"operator {func} is not torch's own")
 
 
 # ------------------------------------------------------------ GroupNorm under vmap
@@ -354,9 +381,13 @@ class _GroupNorm(torch.autograd.Function):
         return (out.reshape(x.shape), mean.reshape(size, rows, -1), rstd.reshape(size, rows, -1)), (0, 0, 0)
 
 
+#: flwr-jdp's own vmap rules (one fused kernel call per chunk, record by record).
+_OWN_RULES = (_GroupNorm, _GroupNormBackward)
+
+
 # ------------------------------------------- the drop-in's DP pass: model kinds
 #: Model kinds (:func:`model_kind`) on which the vectorised pass failed (the drop-in's
-#: DP pass uses Opacus's hooks for them), with the reason.
+#: DP pass computes their records one by one, :func:`record_by_record`), with the reason.
 FUNC_FAILED: dict[tuple, str] = {}
 
 
@@ -364,3 +395,39 @@ def model_kind(model: nn.Module) -> tuple:
     """What a verdict on a model holds for: the model's class, the classes of all its
     submodules and its training mode (a dropout layer added, or eval mode, is another kind)."""
     return type(model), tuple(type(m) for m in model.modules()), model.training
+
+
+def record_by_record(model: nn.Module, params: dict[str, nn.Parameter], n: int,
+                     term: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Each record's gradient computed on the record alone (micro-batches of one):
+    ``term(i)`` runs record ``i``'s forward pass and loss term with nothing else in the
+    batch and returns ``(loss, output)``; the gradient of that loss in ``params`` is row
+    ``i`` of their ``grad_sample``. The model's buffers are put back after each record
+    (a forward that updates one cannot carry a record into the next), ``.grad`` is never
+    touched. Returns the records' outputs, stacked."""
+    names = list(params)
+    flags = {k: p.requires_grad for k, p in params.items()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in names}
+    outputs = []
+    try:
+        for p in params.values():
+            p.requires_grad_(True)
+        for i in range(n):
+            with torch.enable_grad():
+                loss, out = term(i)
+                grads = (torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+                         if loss.requires_grad else [None] * len(names))
+            for k, g in zip(names, grads, strict=True):
+                rows[k].append(torch.zeros_like(params[k]) if g is None else g.detach())
+            outputs.append(out.detach())
+            with torch.no_grad():
+                for b, value in buffers:
+                    b.copy_(value)
+    finally:
+        for k, p in params.items():
+            p.requires_grad_(flags[k])
+    for k in names:
+        p = params[k]
+        p.grad_sample = torch.stack(rows[k]) if n else torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+    return torch.stack(outputs) if outputs else torch.zeros(0)

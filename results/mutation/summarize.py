@@ -50,7 +50,10 @@ SELECTED = (
     # the silos' agreement derived from the run config.
     "flwr_jdp.privacy.guard",
     "flwr_jdp.subject.silo_guard",
-    "flwr_jdp.training.user_loop",
+    "flwr_jdp.training.user_loop",  # before the split into dp_pass/
+    "flwr_jdp.training.dp_pass.step",
+    "flwr_jdp.training.dp_pass.batches",
+    "flwr_jdp.training.dp_pass.entry",
     "flwr_jdp.training.dp_sgd",
     "flwr_jdp.joint_dp.validation",
     # JointDP's aggregation and noise: selection (fraction-train), calibration of z,
