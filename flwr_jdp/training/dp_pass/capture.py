@@ -13,7 +13,7 @@ from torch import nn
 
 from .batches import _source
 from .capture_types import PendingOutput, _Forward, _LossCall, _pending
-from .common import UserLoopError, _same_setting, _settings
+from .common import UserLoopError, _same_setting, _settings, new_optimizer
 from .gradients import _PerRecord
 from .step import _DPStep
 
@@ -238,7 +238,7 @@ class _DPPass(_PerRecord, _DPStep):
         if not type(optimizer).__module__.startswith("torch.optim"):
             self.refuse(f"the DP steps use torch.optim's optimizers only (got {type(optimizer).__qualname__})")
         try:
-            return type(optimizer)(groups, **optimizer.defaults)
+            return new_optimizer(type(optimizer), groups, optimizer.defaults)
         except Exception as err:  # noqa: BLE001 - a custom optimizer's constructor
             self.refuse(f"the DP pass could not make its copy of the optimizer ({type(optimizer).__name__}: "
                         f"{type(err).__name__}): use a torch.optim optimizer")

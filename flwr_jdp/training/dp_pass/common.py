@@ -3,6 +3,8 @@ optimizer settings."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -39,3 +41,10 @@ def _same_setting(a: object, b: object) -> bool:
 
 #: Warnings given once per process.
 _WARNED = {"epochs": False}
+
+
+def new_optimizer(cls: type[torch.optim.Optimizer], groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
+    """An optimizer of ``cls`` over ``groups`` (each with its settings), passing the
+    constructor only the defaults it takes (AdamW's hold one its constructor does not)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(groups, **{k: v for k, v in defaults.items() if k in accepted})

@@ -13,7 +13,7 @@ from ...privacy.mechanisms import GaussianSumMechanism
 from .batches import PoissonLoader
 from .capture import _discarding_closure, _DPPass
 from .capture_types import PendingOutput, _Forward, _pending
-from .common import _equal, _same_setting, _settings
+from .common import _equal, _same_setting, _settings, new_optimizer
 from .plan import Plan
 
 
@@ -42,8 +42,8 @@ class _ReleasePass(_DPPass):
         if plan.optimizer is not None and not capture:
             cls, defaults, groups = plan.optimizer
             params = dict(private.named_parameters())
-            self.optimizer = cls([{**settings, "params": [params[n] for n in names]} for settings, names in groups],
-                                 **defaults)
+            self.optimizer = new_optimizer(
+                cls, [{**settings, "params": [params[n] for n in names]} for settings, names in groups], defaults)
 
     # ------------------------------------------------------- what the user sees
     def sync_user(self) -> None:
