@@ -84,7 +84,7 @@ class AccountedStrategy(Strategy):
         public = [k for k in full.keys() if k not in arrays.keys()]
         if public:
             log(INFO, "Result arrays: the shared layers as trained; %s at their public initial values (each "
-                "owner's own stay on its node: JointDPClient.load)", ", ".join(public[:4]))
+                "owner's own stay on its node: its evaluate handler loads them)", ", ".join(public[:4]))
         return full
 
     def cannot_progress(self) -> bool:

@@ -90,6 +90,10 @@ from flwr_jdp.training.dp_pass import LossFn, UserLoopError, private_training
 
 TrainFn = Callable[[nn.Module, DataLoader], object]
 
+#: What a message lacking flwr-jdp's records most likely means.
+NOT_JOINT_DP = ("is the ServerApp flwr-jdp's? Start JointDP (from flwr_jdp.strategies import JointDP) in place of "
+                "FedAvg: a FedAvg ServerApp sends no flwr-jdp instruction, and nothing is trained or sent")
+
 #: ``context.state`` key of the public initial personal values (from the server's set-up).
 PUBLIC_KEY = "jdp.public-personal"
 #: ``context.state`` key (``.<owner>``) of a rule of the DP pass the train function broke.
@@ -276,7 +280,10 @@ class JointDPClient:
         parameters frozen, if they have not been yet (no privacy cost: nothing it
         computes is sent); without it they are those of the last train round."""
         cfg = self.config(context)
-        session = str(msg.content[protocol.CONFIG].get(protocol.SESSION, ""))
+        cfg_rec = msg.content.get(protocol.CONFIG)
+        if not isinstance(cfg_rec, ConfigRecord):
+            raise ConfigError(f"the evaluate message has no '{protocol.CONFIG}' record: {NOT_JOINT_DP}")
+        session = str(cfg_rec.get(protocol.SESSION, ""))
         split, shared = self._load(cfg, model, msg, context, session)
         o = owner_id(context)
         digest = shared_digest(shared)
@@ -361,7 +368,7 @@ class JointDPClient:
         cfg = self.config(context)
         cfg_rec = msg.content.get(protocol.CONFIG)
         if not isinstance(cfg_rec, ConfigRecord):
-            raise InstructionRefused("the train instruction has no config record")
+            raise InstructionRefused(f"the train instruction has no '{protocol.CONFIG}' record: {NOT_JOINT_DP}")
         session = str(cfg_rec.get(protocol.SESSION, ""))
         o = owner_id(context)
         size = self._size(cfg, context, loader)

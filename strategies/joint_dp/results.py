@@ -62,7 +62,7 @@ class Results:
             self._warned_accuracy = True
             names = sorted(k for k in metrics if k != "owners")
             log(WARNING, "The owners' evaluation metrics %s have none named 'accuracy' (or containing "
-                "'acc'): the round lines show accuracy nan; rename your test's accuracy metric", names)
+                "'acc'): the round lines show the mean of %s instead", names, names[0] if names else "none")
         return metrics
 
     def summary(self) -> None:
@@ -136,8 +136,12 @@ class Results:
         return row
 
     def round_line(self, row: dict) -> str:
-        return (f"[round {row['round']}/{self.cfg.num_rounds}] mean personalized accuracy "
-                f"{row['accuracy']:.4f} over {row['evaluated_owners']} owners | epsilon {row['epsilon']:.4f} "
+        name, value = "accuracy", row["accuracy"]
+        others = [k for k in row.get("owner_metrics", {}) if k not in ("owners", protocol.NUM_EXAMPLES)]
+        if math.isnan(value) and others:  # no accuracy (a VAE, a regression): the owners' first metric
+            name, value = others[0], row["owner_metrics"][others[0]]
+        return (f"[round {row['round']}/{self.cfg.num_rounds}] mean personalized {name} "
+                f"{value:.4f} over {row['evaluated_owners']} owners | epsilon {row['epsilon']:.4f} "
                 f"(target {self.cfg.target_epsilon:.4g}) at delta {self.cfg.delta:.3g} | noise multiplier "
                 f"{self.noise_multiplier:.4f}")
 
