@@ -850,3 +850,41 @@ def test_a_tiny_bert_through_the_drop_in_client_is_within_the_bound():
                      personal="classifier.", as_loader=lambda x, y: DataLoader(Tokens(x, y), batch_size=8))
     assert 0 < move <= _bound("local") * (1 + 1e-4)
     assert seen and all(seen)
+
+
+def test_a_lightning_module_through_the_drop_in_client_releases_what_the_plain_loop_does(caplog):
+    """PyTorch Lightning's Trainer (``step(closure)``, a batch fetched ahead, the module's
+    own optimizer) with loss_fn: the train function gets the LightningModule itself, and
+    the release is bit for bit the one of a plain loop with the same loss and optimizer."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(4, 3), nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.body(x)))
+
+        def training_step(self, batch: tuple, _: int) -> torch.Tensor:
+            return F.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    seen: list[bool] = []
+
+    def fit(net: nn.Module, loader: DataLoader) -> None:
+        seen.append(isinstance(net, pl.LightningModule))
+        pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0).fit(net, loader)
+
+    def loss_fn(net: nn.Module, b: tuple) -> torch.Tensor:
+        return F.cross_entropy(net(b[0]), b[1])
+
+    plain = _release(_multi_step_round("local", _loop_of(loss_fn, Lit, []), steps=3, model_fn=Lit, loss_fn=loss_fn))
+    with caplog.at_level("WARNING", logger="flwr"):
+        lit = _release(_multi_step_round("local", fit, steps=3, model_fn=Lit, loss_fn=loss_fn))
+    np.testing.assert_array_equal(lit, plain)
+    assert seen and all(seen)
+    assert not any("DP pass:" in r.getMessage() for r in caplog.records)  # each step took its own draw
