@@ -266,6 +266,7 @@ def test_batchnorm_without_running_statistics_is_refused_at_set_up(placement):
     reply = app(Message(RecordDict({protocol.CONFIG: ConfigRecord()}), dst_node_id=7,
                         message_type=MessageType.QUERY), ctx)
     _refused(reply, "BatchNorm1d, which mixes the records of a batch")
+    _refused(reply, "model = ModuleValidator.fix(model)")
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -337,11 +338,9 @@ def test_a_nan_record_neither_poisons_the_release_nor_fails_the_round(placement)
     x = x.clone()
     x[::4] = float("nan")  # every fourth record corrupt: some are in the Poisson sample
     bad = DataLoader(TensorDataset(x, y), batch_size=8)
-    calls = []
 
     def fn(net, loader):  # noqa: ANN001
-        calls.append(1)
-        if len(calls) == 1:  # the personal fit on clean data (its own business)
+        if not isinstance(loader, PoissonLoader):  # the personal fit on clean data (its own business)
             return _sgd_loop()(net, DataLoader(TensorDataset(x[1::4], y[1::4]), batch_size=8))
         return _sgd_loop()(net, loader)
 
@@ -350,8 +349,9 @@ def test_a_nan_record_neither_poisons_the_release_nor_fails_the_round(placement)
 
 
 def test_a_broken_rule_is_not_charged_again_in_later_rounds(monkeypatch):
-    """A train function refused for a rule of the DP pass (here a hand-written loss)
-    would break it again: the owner refuses the later rounds before charging them."""
+    """A train function refused for a rule of the DP pass (here a hand-written loss) is
+    refused on the dry run, before the owner is charged, and would break it again: the
+    owner refuses the later rounds too, charging none; its ledger stays empty."""
     from flwr_jdp.joint_dp import client as client_module
 
     charged = []
@@ -365,7 +365,7 @@ def test_a_broken_rule_is_not_charged_again_in_later_rounds(monkeypatch):
         replies.append(jdp.train(train, ctx, Tiny(), loader, hand))
     _refused(replies[0], "outside a torch loss function")
     _refused(replies[1], "in an earlier round of this run")
-    assert len(charged) == 1
+    assert charged == [] and "ledger.0" not in ctx.state
 
 
 # ------------------------------------------ attacks from the privacy review
@@ -738,3 +738,157 @@ def test_with_loss_fn_a_closure_is_accepted_and_the_release_is_the_honest_one(ca
     np.testing.assert_array_equal(got, plain)
     np.testing.assert_array_equal(torch.cat([shown["body.weight"].ravel(), shown["body.bias"]]).numpy(), got)
     assert not any("changed" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------- buffers, loss domains, refusals
+class _WithBuffers(_TanhTiny):
+    """Constant buffers (as position ids), and one the forward pass updates when asked."""
+
+    def __init__(self, updates: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(4).expand(1, -1), persistent=False)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("running_mean", torch.zeros(4))
+        self.updates = updates
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.updates and self.training:
+            self.running_mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return super().forward(x[:, self.position_ids[0]] * self.scale - self.running_mean)
+
+
+class _BN(_TanhTiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.body(x))))
+
+
+def test_constant_buffers_are_accepted_and_a_buffer_the_forward_pass_changes_refused():
+    """Buffers the forward pass leaves as they are (position ids, a constant scale) are
+    accepted; one it updates (running statistics) is refused on the dry run, before the
+    owner is charged; BatchNorm replaced by Opacus's ModuleValidator.fix (GroupNorm)
+    trains."""
+    from opacus.validators import ModuleValidator
+
+    move = _max_move("local", _personal_fit_then(_sgd_loop()), _WithBuffers, outlier=True, stride=6)
+    assert 0 < move <= _bound("local") * (1 + 1e-4)
+    refused = _round("local", _personal_fit_then(_sgd_loop()), model_fn=lambda: _WithBuffers(updates=True))
+    _refused(refused, "changes its buffers ['running_mean']")
+    fixed = _round("local", _personal_fit_then(_sgd_loop()), model_fn=lambda: ModuleValidator.fix(_BN()))
+    assert np.isfinite(_release(fixed)).all()
+
+
+class _Probabilities(_TanhTiny):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(super().forward(x))
+
+
+class _LogProbabilities(_TanhTiny):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(super().forward(x), dim=1)
+
+
+@pytest.mark.parametrize("loss,model_fn,one_hot", [(nn.BCELoss(), _Probabilities, True),
+                                                   (nn.CrossEntropyLoss(), _TanhTiny, False),
+                                                   (nn.NLLLoss(), _LogProbabilities, False)],
+                         ids=["bce-on-sigmoid", "cross-entropy-class-indices", "nll"])
+def test_the_dry_run_respects_the_losss_domain(loss, model_fn, one_hot):
+    """The synthetic records hold values every loss accepts (floats in [0, 1], class 0):
+    BCELoss on a sigmoid output, CrossEntropyLoss with class indices and NLLLoss pass the
+    dry run and release within the bound."""
+    def as_loader(x: torch.Tensor, y: torch.Tensor) -> DataLoader:
+        return DataLoader(TensorDataset(x, F.one_hot(y, 2).float() if one_hot else y), batch_size=8)
+
+    move = _max_move("local", _personal_fit_then(_sgd_loop(loss)), model_fn, outlier=True, stride=6,
+                     as_loader=as_loader)
+    assert 0 < move <= _bound("local") * (1 + 1e-4)
+
+
+def test_a_refusal_on_the_dry_run_costs_the_owner_nothing():
+    """A rule broken on the dry run (a loss_fn returning no scalar; a hand-written loss:
+    ``test_a_broken_rule_is_not_charged_again_in_later_rounds``) is refused before the
+    owner's ledger is charged; an honest round then charges it."""
+    app, jdp, ctx, loader = _client_node(_config("local"))
+    _, _, train = _setup_and_instruction(app, ctx, Z, Q, 1)
+    not_scalar = jdp.train(train, ctx, Tiny(), loader, _loop_of(lambda net, b: F.cross_entropy(net(b[0]), b[1]),
+                                                                Tiny, []),
+                           loss_fn=lambda net, b: (F.cross_entropy(net(b[0]), b[1]), net(b[0])))
+    _refused(not_scalar, "must return the batch's loss as a scalar tensor (it returned a tuple)")
+    assert "ledger.0" not in ctx.state
+    app, jdp, ctx, loader = _client_node(_config("local"))
+    _, _, train = _setup_and_instruction(app, ctx, Z, Q, 1)
+    assert jdp.train(train, ctx, Tiny(), loader, _sgd_loop()).has_content()
+    assert "ledger.0" in ctx.state
+
+
+def test_a_tiny_bert_through_the_drop_in_client_is_within_the_bound():
+    """A randomly initialised BertForSequenceClassification (a small BertConfig, no
+    download: keyword inputs, a ModelOutput, the model's own loss, constant position and
+    token-type id buffers) through JointDPClient.train with loss_fn: the release moves by
+    at most the DP-SGD sensitivity on neighbouring data sets."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=16, max_position_embeddings=8, num_labels=2,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+    def bert() -> nn.Module:
+        return transformers.BertForSequenceClassification(config)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+            self.ids = (x.abs() * 7).long().clamp(max=31)
+            self.y = y
+
+        def __len__(self) -> int:
+            return len(self.y)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.ids[i], "attention_mask": torch.ones(4, dtype=torch.long), "labels": self.y[i]}
+
+    seen: list[bool] = []
+    loop = _loop_of(lambda net, b: net(**b).loss, type(bert()), seen)
+    move = _max_move("local", loop, bert, outlier=True, stride=8, loss_fn=lambda net, b: net(**b).loss,
+                     personal="classifier.", as_loader=lambda x, y: DataLoader(Tokens(x, y), batch_size=8))
+    assert 0 < move <= _bound("local") * (1 + 1e-4)
+    assert seen and all(seen)
+
+
+def test_a_lightning_module_through_the_drop_in_client_releases_what_the_plain_loop_does(caplog):
+    """PyTorch Lightning's Trainer (``step(closure)``, a batch fetched ahead, the module's
+    own optimizer) with loss_fn: the train function gets the LightningModule itself, and
+    the release is bit for bit the one of a plain loop with the same loss and optimizer."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(4, 3), nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.body(x)))
+
+        def training_step(self, batch: tuple, _: int) -> torch.Tensor:
+            return F.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    seen: list[bool] = []
+
+    def fit(net: nn.Module, loader: DataLoader) -> None:
+        seen.append(isinstance(net, pl.LightningModule))
+        pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0).fit(net, loader)
+
+    def loss_fn(net: nn.Module, b: tuple) -> torch.Tensor:
+        return F.cross_entropy(net(b[0]), b[1])
+
+    plain = _release(_multi_step_round("local", _loop_of(loss_fn, Lit, []), steps=3, model_fn=Lit, loss_fn=loss_fn))
+    with caplog.at_level("WARNING", logger="flwr"):
+        lit = _release(_multi_step_round("local", fit, steps=3, model_fn=Lit, loss_fn=loss_fn))
+    np.testing.assert_array_equal(lit, plain)
+    assert seen and all(seen)
+    assert not any("DP pass:" in r.getMessage() for r in caplog.records)  # each step took its own draw

@@ -319,11 +319,9 @@ def test_a_fit_that_makes_personal_values_non_finite_keeps_the_previous_ones(cap
     personal values (said on the node), the release is the same as with a fine fit."""
     app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"})
     _, public = _setup(app, ctx)
-    calls = []
 
-    def fn(net, loader_):
-        calls.append(1)
-        _sgd(float("inf") if len(calls) == 1 else 0.1)(net, loader_)  # the fit diverges, the release is fine
+    def fn(net, loader_):  # the fit (on the user's own loader) diverges, the release is fine
+        _sgd(float("inf") if loader_ is loader else 0.1)(net, loader_)
 
     with caplog.at_level(logging.WARNING, logger="flwr"):
         reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 1.0, 1), ctx, _net(2), loader, fn)
@@ -405,17 +403,38 @@ def test_public_values_missing_after_a_restart_are_named():
 
 
 class WithBuffer(Wide):
+    """A buffer the forward pass updates in training mode (a running statistic)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("stat", torch.zeros(3))
+        self.register_buffer("stat", torch.zeros(4))
+
+    def forward(self, x):
+        if self.training:
+            self.stat.add_(x.detach().mean(0))
+        return super().forward(x)
 
 
-def test_buffers_are_refused_under_the_record_unit_only():
+class WithConstantBuffer(Wide):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return super().forward(x * self.scale)
+
+
+def test_buffers_the_forward_pass_changes_are_refused_under_the_record_unit_only():
     app, jdp, ctx, loader = _node({})
     _setup(app, ctx)
     reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 5), ctx, WithBuffer(), loader,
                       _sgd())
-    assert reply.has_error() and "buffers" in reply.error.reason
+    assert reply.has_error() and "changes its buffers ['stat']" in reply.error.reason
+    app, jdp, ctx, loader = _node({})
+    _setup(app, ctx)
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 5), ctx, WithConstantBuffer(), loader,
+                      _sgd())
+    assert reply.has_content(), reply.error.reason
     app, jdp, ctx, loader = _node({"jdp.privacy-unit": "owner", "jdp.noise-placement": "central"})
     _setup(app, ctx)
     reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 1.0, 1), ctx, WithBuffer(), loader,
@@ -424,11 +443,18 @@ def test_buffers_are_refused_under_the_record_unit_only():
 
 
 def test_a_refused_instruction_trains_nothing_and_keeps_no_state():
+    """The train function runs on no owner data (only the DP pass's dry run on synthetic
+    records, which comes before the charge) and nothing is kept."""
     app, jdp, ctx, loader = _node({})
     _setup(app, ctx)
     calls = []
-    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 0.0, 0.2, 5), ctx, _net(2), loader,
-                      lambda m, ld: calls.append(1))
+
+    def fn(m, ld):
+        if _dry(ld):  # the dry run: synthetic records only
+            return _sgd()(m, ld)
+        calls.append(1)
+
+    reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 0.0, 0.2, 5), ctx, _net(2), loader, fn)
     assert reply.has_error() and reply.error.reason.startswith("refused: ")
     assert reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
     assert calls == [] and personal_key(0) not in ctx.state
@@ -573,12 +599,10 @@ def test_central_noise_takes_one_batch_whatever_the_instruction_says():
 def test_a_central_round_without_a_step_is_refused():
     app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "central"})
     _setup(app, ctx)
-    calls = []
 
     def fn(net, loader_):
-        calls.append(1)
-        if len(calls) == 1:
-            _sgd()(net, loader_)  # the personal fit; no step in the private round
+        if loader_ is loader:
+            _sgd()(net, loader_)  # the personal fit; no step in the private round (nor its dry run)
 
     reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 1.0, 0.2, 1), ctx, _net(2), loader, fn)
     assert reply.has_error() and "computed no torch loss" in reply.error.reason
@@ -587,11 +611,9 @@ def test_a_central_round_without_a_step_is_refused():
 def test_a_non_finite_release_is_an_error_reply():
     app, jdp, ctx, loader = _node({"jdp.privacy-unit": "record", "jdp.noise-placement": "local"})
     _setup(app, ctx)
-    calls = []
 
     def fn(net, loader_):
-        calls.append(1)
-        _sgd(0.1 if len(calls) == 1 else float("inf"))(net, loader_)  # a fine fit, a diverging release
+        _sgd(0.1 if loader_ is loader else float("inf"))(net, loader_)  # a fine fit, a diverging release
 
     reply = jdp.train(_instruction(ctx, _arrays(_net(1), "body."), 2.0, 0.2, 5), ctx, _net(2), loader, fn)
     assert reply.has_error() and "the release has non-finite values in ['body." in reply.error.reason

@@ -86,7 +86,7 @@ from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 from flwr_jdp.records import hosted_owners
 from flwr_jdp.reply_guard import ReplyGuard, install, joint_dp_guard
-from flwr_jdp.training.dp_pass import LossFn, UserLoopError, private_training
+from flwr_jdp.training.dp_pass import LossFn, Plan, UserLoopError, dry_run, private_training
 
 TrainFn = Callable[[nn.Module, DataLoader], object]
 
@@ -228,14 +228,15 @@ class JointDPClient:
 
     @staticmethod
     def _check_buffers(cfg: JobConfig, model: nn.Module) -> None:
+        """BatchNorm is refused (record or user unit): it mixes the records of a batch and
+        keeps running statistics of the data. Other buffers are fine as long as the forward
+        pass leaves them as they are (position ids, token type ids): the DP pass's dry run
+        refuses one that changes them (:func:`~flwr_jdp.training.dp_pass.dry_run`)."""
         norms = [type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]  # noqa: SLF001
         if norms and cfg.dp and cfg.unit is not PrivacyUnit.OWNER:
-            raise UserLoopError(f"the model has {norms[0]}, which mixes the records of a batch; use GroupNorm "
-                                "or LayerNorm")
-        buffers = [n for n, _ in model.named_buffers()]
-        if buffers and cfg.dp and cfg.unit is not PrivacyUnit.OWNER:
-            raise UserLoopError(f"the model has buffers {buffers[:3]} (BatchNorm statistics?), which "
-                                "depend on the data without noise; use GroupNorm or LayerNorm")
+            raise UserLoopError(f"the model has {norms[0]}, which mixes the records of a batch; replace it by "
+                                "GroupNorm or LayerNorm, e.g. in one call: from opacus.validators import "
+                                "ModuleValidator; model = ModuleValidator.fix(model) (in model_fn and in train)")
 
     def _split(self, cfg: JobConfig, model: nn.Module) -> ParamSplit:
         try:
@@ -377,6 +378,8 @@ class JointDPClient:
         if isinstance(refused, ConfigRecord):  # the same code would break the same rule: spend nothing
             raise UserLoopError(f"{refused['reason']} (in an earlier round of this run: fix it and start a new "
                                 "run)", structural=True)
+        central = cfg.placement is not NoisePlacement.LOCAL  # one clipped sum, noised by others
+        plan = self._dry_run(cfg, context, model, loader, train_fn, loss_fn, central)
         charge_owners(cfg, context, {o: size}, {o: instruction}, session)  # local noise only
         split, shared = self._load(cfg, model, msg, context, session)
         release_model = (self._release_model(context, model, split, shared, self._public(context, split))
@@ -397,7 +400,6 @@ class JointDPClient:
                 self._fit_personal(model, split, lambda m: train_fn(m, loader))
                 set_arrays(model, shared)  # the release starts from the broadcast, whatever the fit did
             unit_of_record, num_units = self._units(cfg, context, size.num_records)
-            central = cfg.placement is not NoisePlacement.LOCAL  # one clipped sum, noised by others
             public = self._public(context, split)
             try:
                 with public_personal_swapped(model, split, public) as m, \
@@ -409,7 +411,7 @@ class JointDPClient:
                                          secure=cfg.secure_noise, capture=central,
                                          epochs=1 if central else cfg.local_epochs, train_fn=train_fn,
                                          release_model=release_model, unit_encoder=encoder,
-                                         loss_fn=loss_fn) as (private, ploader, record):
+                                         plan=plan) as (private, ploader, record):
                     _run_user_code(train_fn, private, ploader)
             except UserLoopError as err:
                 if err.structural:  # the same code breaks the same rule next round: charge nothing more
@@ -440,6 +442,27 @@ class JointDPClient:
             "metrics": MetricRecord({protocol.NUM_EXAMPLES: size.num_records}),
         })
         return Message(reply, reply_to=msg)
+
+    def _dry_run(self, cfg: JobConfig, context: Context, model: nn.Module, loader: DataLoader, train_fn: TrainFn,
+                 loss_fn: LossFn | None, central: bool) -> Plan | None:
+        """The DP pass's dry run (record or user unit), before the owner is charged and before
+        any of its data is read: a rule broken there refuses the round at no cost, and is
+        remembered (the same code breaks it again). It runs on a copy of ``model`` whose
+        personal parameters are frozen, as in the DP pass."""
+        if not cfg.dp or cfg.unit is PrivacyUnit.OWNER:
+            return None
+        import copy
+
+        split = self._split(cfg, model)
+        frozen = copy.deepcopy(model)
+        for n, p in frozen.named_parameters():
+            p.requires_grad_(n in split.shared)
+        try:
+            return dry_run(frozen, loader, train_fn, capture=central, loss_fn=loss_fn)
+        except UserLoopError as err:
+            if err.structural:
+                context.state[f"{REFUSED_KEY}.{owner_id(context)}"] = ConfigRecord({"reason": str(err)})
+            raise
 
     @staticmethod
     def _encoder(cfg: JobConfig, context: Context, cfg_rec: ConfigRecord, owner: int, model: nn.Module,

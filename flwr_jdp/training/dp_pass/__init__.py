@@ -18,6 +18,13 @@ For the duration of :func:`private_training` it is handed
   record (its forward, loss term and backward with nothing else in the batch): per
   record by construction on every path, nothing sampled or checked.
 
+With ``loss_fn(model, batch) -> scalar`` (any loss built from the model's outputs and
+the batch: tuple or dict outputs, keyword inputs, a model's own ``.loss``, several
+terms) the train function gets the user's model itself instead, and the DP steps use
+each record's gradient of ``loss_fn`` on a batch of that record alone (the same two
+paths); each ``optimizer.step()`` takes one DP step, ``step(closure)`` included (the
+closure runs, its gradients are discarded).
+
 Unit, sensitivity and noise (one place): every ``optimizer.step()`` on the model's
 trainable parameters is preceded by the DP step (an optimizer pre-step hook): the
 per-unit gradients of the current batch (records clipped to ``C`` jointly over the

@@ -100,21 +100,16 @@ class _PerRecord:
             return
         kind = (per_sample.model_kind(self.model), "loss_fn", getattr(loss_fn, "__code__", type(loss_fn)))
         per_record = tuple(leaves[i] for i in rows)
-        if per_sample.BACKEND in ("auto", "func") and kind not in per_sample.FUNC_FAILED:
-            try:
-                if self.loss_engine is None:
-                    self.loss_engine = per_sample.FuncPerSample(_LossOf(self.model, loss_fn), set_train=False)
-                self.loss_engine.model.one = one
-                self.loss_engine._per_record(per_record, torch.zeros(n), lambda out, _: out.sum(), n,  # noqa: SLF001
-                                             randomness="different", trainable={f"model.{k}" for k in self.trainable})
-                self.path = "torch.func"
-                return
-            except (MemoryError, torch.OutOfMemoryError):
-                raise
-            except Exception as err:  # noqa: BLE001 - vmap's errors have no common type
-                if per_sample.BACKEND == "func":
-                    self.refuse(f"per-sample gradients by torch.func failed: {type(err).__name__}")
-                self._vmap_failed(kind, err)
+
+        def vectorised() -> None:
+            if self.loss_engine is None:
+                self.loss_engine = per_sample.FuncPerSample(_LossOf(self.model, loss_fn), set_train=False)
+            self.loss_engine.model.one = one
+            self.loss_engine._per_record(per_record, torch.zeros(n), lambda out, _: out.sum(), n,  # noqa: SLF001
+                                         randomness="different", trainable={f"model.{k}" for k in self.trainable})
+
+        if self._vectorised(kind, vectorised):
+            return
 
         def term(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             loss = _scalar(loss_fn(self.model, one(tuple(t[i:i + 1] for t in per_record))))
@@ -126,33 +121,43 @@ class _PerRecord:
         """Each record's gradient of its own term, on the record alone: one vectorised
         pass where ``vmap`` can trace the model and keep its records apart, else
         micro-batches of one record (its forward, loss term and backward alone)."""
-        kind = per_sample.model_kind(self.model)
-        if per_sample.BACKEND in ("auto", "func") and kind not in per_sample.FUNC_FAILED:
-            try:
-                if self.engine is None:
-                    self.engine = per_sample.FuncPerSample(self.model, set_train=False)
-                    self.engine.single_row_linear = _LINEAR.get((self.kind, *(a.shape[1:] for a in fwd.inputs)))
-                self.engine._per_record(fwd.inputs, targets, loss_one, len(targets),  # noqa: SLF001
-                                        randomness="different", trainable=self.trainable)
-                _LINEAR[(self.kind, *(a.shape[1:] for a in fwd.inputs))] = self.engine.single_row_linear
-                self.path = "torch.func"
-                return self.engine.outputs
-            except (MemoryError, torch.OutOfMemoryError):
-                raise
-            except Exception as err:  # noqa: BLE001 - vmap's errors have no common type
-                if per_sample.BACKEND == "func":
-                    self.refuse(f"per-sample gradients by torch.func failed: {type(err).__name__}")
-                self._vmap_failed(kind, err)
+        key = (self.kind, *(a.shape[1:] for a in fwd.inputs))
+
+        def vectorised() -> None:
+            if self.engine is None:
+                self.engine = per_sample.FuncPerSample(self.model, set_train=False)
+                self.engine.single_row_linear = _LINEAR.get(key)
+            self.engine._per_record(fwd.inputs, targets, loss_one, len(targets),  # noqa: SLF001
+                                    randomness="different", trainable=self.trainable)
+            _LINEAR[key] = self.engine.single_row_linear
+
+        if self._vectorised(per_sample.model_kind(self.model), vectorised):
+            return self.engine.outputs
         return self._micro(fwd.inputs, targets, loss_one)
 
-    def _vmap_failed(self, kind: tuple, err: Exception) -> None:
-        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-        per_sample.FUNC_FAILED[kind] = reason
-        log(WARNING, "per-sample gradients of %s: torch.func cannot handle the model (%s); computing "
-            "each record's gradient on its own (micro-batches of one record)", type(self.model).__qualname__,
-            reason)
-        for p in self.params:
-            p.grad_sample = None
+    def _vectorised(self, kind: tuple, run: Callable[[], None]) -> bool:
+        """``run()``, the vectorised pass, unless ``BACKEND`` or an earlier failure on this
+        kind says otherwise; where it fails, False (the kind remembered, one log line) and
+        the caller computes the records one by one (``BACKEND = "func"``: refused)."""
+        if per_sample.BACKEND not in ("auto", "func") or kind in per_sample.FUNC_FAILED:
+            return False
+        try:
+            run()
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as err:  # noqa: BLE001 - vmap's errors have no common type
+            if per_sample.BACKEND == "func":
+                self.refuse(f"per-sample gradients by torch.func failed: {type(err).__name__}")
+            reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+            per_sample.FUNC_FAILED[kind] = reason
+            log(WARNING, "per-sample gradients of %s: torch.func cannot handle the model (%s); computing "
+                "each record's gradient on its own (micro-batches of one record)", type(self.model).__qualname__,
+                reason)
+            for p in self.params:
+                p.grad_sample = None
+            return False
+        self.path = "torch.func"
+        return True
 
     def _micro(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_one) -> torch.Tensor:  # noqa: ANN001
         """Micro-batches of one: record ``i``'s output and loss term from its own rows only."""

@@ -19,7 +19,7 @@ from ..dp_sgd import UnitBatch
 from .batches import PoissonBatches, PoissonLoader
 from .capture import LOSS_FN_HINT, PrivateModule, _discarding_closure, _DPPass
 from .capture_types import _LossCall
-from .common import UserLoopError, _settings
+from .common import UserLoopError, _equal, _settings
 from .gradients import LossFn
 
 
@@ -62,11 +62,13 @@ class _LossFnDry(_DPPass):
 
 def _synthetic(item, generator: torch.Generator):  # noqa: ANN001, ANN202
     """``item`` (one record, as the data set gives it) with its values replaced: floats
-    drawn from N(0, 1), integers and booleans zero. Only the structure, shapes and
+    drawn from U(0, 1), integers and booleans zero, values every torch loss accepts as a
+    target (a probability for ``BCELoss``, class 0 for ``CrossEntropyLoss`` and
+    ``NLLLoss``) and that tell the float tensors apart. Only the structure, shapes and
     dtypes of the owner's data are kept."""
     if isinstance(item, torch.Tensor):
         if item.is_floating_point():
-            return torch.randn(item.shape, generator=generator, dtype=item.dtype)
+            return torch.rand(item.shape, generator=generator, dtype=item.dtype)
         return torch.zeros_like(item)
     if isinstance(item, dict):
         return type(item)({k: _synthetic(v, generator) for k, v in item.items()})
@@ -116,6 +118,8 @@ def dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, *, capture
     record's gradient on that record alone."""
     import copy
 
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserLoopError("no trainable parameter to train privately")
     dry_model = copy.deepcopy(model)
     dataset = _SyntheticSet(loader.dataset, len(loader.dataset))  # type: ignore[arg-type]
     sampler = _BothRecords(torch.tensor([0, 1]), 2, 1.0, 1, torch.Generator().manual_seed(0), False, 1)
@@ -144,6 +148,7 @@ def dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, *, capture
             dry.device = next(iter(dry.params)).device
         if loss_fn is not None:
             _check_loss_fn(model, dataset, loader, loss_fn, dry.modes)
+        _check_buffers_constant(model, dataset, loader, dry.last_loss, loss_fn, dry.modes)
     finally:
         for h in handles:
             h.remove()
@@ -180,3 +185,39 @@ def _check_loss_fn(model: nn.Module, dataset: _SyntheticSet, loader: DataLoader,
         probe._loss_fn_gradients(batch, 2, loss_fn)  # noqa: SLF001
     finally:
         probe.close()
+
+
+def _check_buffers_constant(model: nn.Module, dataset: _SyntheticSet, loader: DataLoader, call: _LossCall | None,
+                            loss_fn: LossFn | None, modes: dict[str, bool]) -> None:
+    """One forward pass on the synthetic records, in the plan's modes, on a fresh copy of
+    the model: a buffer it changes (running statistics) would carry the data into the
+    release without noise, and is refused; constant buffers (position ids) are fine."""
+    import copy
+
+    from torch.utils.data import default_collate
+
+    from .batches import _tensors_of
+
+    check = copy.deepcopy(model)
+    if not any(True for _ in check.buffers()):
+        return
+    for name, m in check.named_modules():
+        m.training = modes.get(name, m.training)
+    before = {n: b.detach().clone() for n, b in check.named_buffers()}
+    batch = (loader.collate_fn or default_collate)([dataset[0], dataset[1]])
+    try:
+        with torch.no_grad():
+            if loss_fn is not None:
+                loss_fn(check, batch)
+            elif call is not None:
+                tensors = _tensors_of(batch)
+                check(*(s.of(tensors, 2) for s in call.inputs))
+    except Exception as err:  # noqa: BLE001 - the user's model; its message stays in the node's log
+        log(WARNING, "The model raised on synthetic records: %s: %s", type(err).__name__, err)
+        raise UserLoopError(f"the model raised {type(err).__name__} on synthetic records shaped as yours (its "
+                            "message is in the node's log)", structural=True) from None
+    changed = [n for n, b in check.named_buffers() if n not in before or not _equal(b.detach(), before[n])]
+    if changed:
+        raise UserLoopError(f"the model's forward pass changes its buffers {changed[:3]} (running statistics?), "
+                            "which would carry the data into the release without noise: keep buffers constant "
+                            "(statistics per record, e.g. GroupNorm or LayerNorm)", structural=True)
