@@ -36,8 +36,6 @@ names and shapes is not detected here (use the client half's ``train``).
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging import WARNING
@@ -47,9 +45,6 @@ from flwr.client.mod.utils import make_ffn
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-
-from flwr_jdp.joint_dp import protocol
-from flwr_jdp.mtl import protocol as mtl_protocol
 
 
 @dataclass(frozen=True)
@@ -207,58 +202,4 @@ def install(app: ClientApp, guard: ReplyGuard, *inner: Callable) -> None:
         registered[name] = make_ffn(fn, [guard])
 
 
-# ------------------------------------------------------------------- joint DP
-#: The set-up reply of :class:`~flwr_jdp.joint_dp.client.JointDPClient` (merged by ``owners_mod``).
-JOINT_DP_SETUP: Rules = {protocol.SETUP: Allowed(ConfigRecord, frozenset({
-    protocol.OWNER_IDS, protocol.NUM_RECORDS, protocol.NUM_USERS, protocol.MAX_EPSILON,
-    protocol.PARAM_NAMES, protocol.PARAM_SHAPES}))}
-
-
-def joint_dp_guard(personal_rule: Callable[[Context], str]) -> ReplyGuard:
-    """The guard of :class:`~flwr_jdp.joint_dp.client.JointDPClient`. A train reply carries,
-    per owner the instruction names (``owner.<o>`` / ``metrics.<o>``, or Flower's
-    ``arrays`` / ``metrics`` for a single owner), an ArrayRecord with exactly the
-    names and shapes of the broadcast shared parameters (whatever the release's
-    kind: updated parameters, a clipped sum, a clipped update or field elements),
-    none matching ``personal_rule(context)`` (the run's personal-layers rule), and a
-    MetricRecord with ``num-examples`` only."""
-
-    def train_rules(msg: Message, context: Context) -> Rules:
-        broadcast = msg.content.get(protocol.SHARED)
-        cfg = msg.content.get(protocol.CONFIG)
-        owners = [int(o) for o in cfg.get(protocol.OWNERS, [])] if isinstance(cfg, ConfigRecord) else []
-        rule = personal_rule(context)
-        personal = re.compile(rule) if rule else None
-        shapes = {k: tuple(a.shape) for k, a in broadcast.items()
-                  if personal is None or not personal.search(k)} if isinstance(broadcast, ArrayRecord) else {}
-        release, count = Allowed(ArrayRecord, shapes=shapes), Allowed(MetricRecord, frozenset({protocol.NUM_EXAMPLES}))
-        rules = {protocol.ARRAYS: release, protocol.METRICS: count} if len(owners) == 1 else {}
-        for o in owners:
-            rules[protocol.owner_key(o)], rules[protocol.metrics_key(o)] = release, count
-        return rules
-
-    return ReplyGuard(train_rules, JOINT_DP_SETUP, "joint-dp")
-
-
-# ------------------------------------------------------------------------- DP-MTL
-MTL_SETUP: Rules = {mtl_protocol.SETUP: Allowed(ConfigRecord, frozenset({
-    mtl_protocol.TASKS, mtl_protocol.NUM_PARAMS, mtl_protocol.PARAM_NAMES, mtl_protocol.PARAM_SHAPES,
-    mtl_protocol.NUM_PARTITIONS}))}
-
-
-def mtl_guard(task_of: Callable[[Context], int]) -> ReplyGuard:
-    """The guard of :class:`~flwr_jdp.mtl.client.MTLClient`: a train reply carries the
-    node's task model ``w_k`` (``models`` with ``task.<k>`` only, as long as the
-    broadcast mean) and ``metrics`` with ``tasks`` only."""
-
-    def train_rules(msg: Message, context: Context) -> Rules:
-        mean = msg.content.get(mtl_protocol.MEAN)
-        size = math.prod(mean[mtl_protocol.MEAN].shape) if isinstance(mean, ArrayRecord) else -1
-        return {mtl_protocol.MODELS: Allowed(ArrayRecord, shapes={mtl_protocol.task_key(task_of(context)): (size,)}),
-                mtl_protocol.METRICS: Allowed(MetricRecord, frozenset({"tasks"}))}
-
-    return ReplyGuard(train_rules, MTL_SETUP, "dp-mtl")
-
-
-__all__ = ["JOINT_DP_SETUP", "MTL_SETUP", "SECAGG_RULES", "Allowed", "ReplyGuard", "filter_content", "install",
-           "joint_dp_guard", "mtl_guard"]
+__all__ = ["SECAGG_RULES", "Allowed", "ReplyGuard", "Rules", "filter_content", "install"]

@@ -31,9 +31,14 @@ SYSTEM_STRATEGY = {"joint_dp": "joint_dp", "mtl": "dp_mtl", "subject": "subject_
 APP_NAMES = ("joint_dp", "dp_mtl", "subject_dp", "priv_altmin", "winsorized", "fedavg")
 
 
-def _imports(path: Path):
+def _imports(path: Path, runtime_only: bool = False):
+    """Every module ``path`` imports; ``runtime_only``: less those under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    if runtime_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+                node.body = [ast.Pass()]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
@@ -153,3 +158,40 @@ def test_importing_flwr_jdp_leaves_the_root_logger_alone():
             "print(len(logging.getLogger().handlers))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_library_has_no_import_cycle():
+    """No module of ``flwr_jdp/`` reaches itself through its imports (module level or
+    inside a function): each can be read after the ones it uses."""
+    modules = {_module_name(p): p for p in _py(PKG)}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _imports(path, runtime_only=True):
+            # the longest module that names the import ("from a.b import c" is a.b, or a.b.c if a module)
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                targets.add(imported)
+        graph[name] = targets - {n for n in targets if modules[n].name == "__init__.py" and name.startswith(n)}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])

@@ -33,9 +33,10 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.joint_dp.client import JointDPClient, owner_id, owners_mod
+from flwr_jdp.joint_dp.reply_rules import joint_dp_guard
 from flwr_jdp.mtl import protocol as mtl_protocol
 from flwr_jdp.mtl.client import MTLClient, flatten
-from flwr_jdp.reply_guard import Allowed, filter_content, joint_dp_guard
+from flwr_jdp.reply_guard import Allowed, filter_content
 from flwr_jdp.strategies import JointDP
 from tests.test_distributed_noise import Probe, _data, _initial, _rc, _train_fn
 from tests.test_owners_mod import _contains

@@ -80,12 +80,13 @@ from flwr_jdp.joint_dp.owner_store import (
     shared_digest,
 )
 from flwr_jdp.joint_dp.release import public_personal_swapped
+from flwr_jdp.joint_dp.reply_rules import joint_dp_guard
 from flwr_jdp.joint_dp.schedule import OwnerSize
 from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 from flwr_jdp.records import hosted_owners
-from flwr_jdp.reply_guard import ReplyGuard, install, joint_dp_guard
+from flwr_jdp.reply_guard import ReplyGuard, install
 from flwr_jdp.training.dp_pass import LossFn, Plan, UserLoopError, dry_run, private_training
 
 TrainFn = Callable[[nn.Module, DataLoader], object]

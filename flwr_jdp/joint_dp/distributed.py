@@ -30,21 +30,13 @@ import numpy as np
 import torch
 from flwr.app import Context
 
-from flwr_jdp.joint_dp.config import JobConfig, minimum_survivors
+from flwr_jdp.joint_dp.config import JobConfig
 from flwr_jdp.joint_dp.owner_guard import AgreedRelease, Instruction, owner_policy
 from flwr_jdp.joint_dp.owner_store import OWNER_LEDGERS
+from flwr_jdp.joint_dp.schedule import owner_plan
 from flwr_jdp.joint_dp.secure_sum import MIN_NODES, _check_setup, secure_sum_mod  # noqa: F401 (re-exported)
 from flwr_jdp.privacy.guard import charge
 from flwr_jdp.privacy.skellam import SkellamPlan, round_units, skellam_noise, to_field
-
-
-def owner_plan(cfg: JobConfig, noise_multiplier: float, dim: int, scale: float) -> SkellamPlan:
-    """The Skellam plan of a run: the server's and every owner's (same formula)."""
-    return SkellamPlan(
-        clipping_norm=float(cfg.clipping_norm), scale=float(scale), dim=int(dim),
-        noise_multiplier=float(noise_multiplier), num_owners=int(cfg.num_owners),
-        min_survivors=minimum_survivors(cfg.num_owners, cfg.dropout_tolerance),
-        colluding=int(cfg.colluding_owners))
 
 
 @dataclasses.dataclass(frozen=True)

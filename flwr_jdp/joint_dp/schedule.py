@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import dp_accounting as dpa
 
-from flwr_jdp.joint_dp.config import JobConfig
+from flwr_jdp.joint_dp.config import JobConfig, minimum_survivors
 from flwr_jdp.privacy import events as ev
 from flwr_jdp.privacy.accountants import epsilon
 from flwr_jdp.privacy.calibration import calibrate
 from flwr_jdp.privacy.ledger import SERVER_SCOPE, owner_scope
+from flwr_jdp.privacy.skellam import SkellamPlan
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
 
 
@@ -64,8 +65,6 @@ class Schedule:
         if cfg.placement is NoisePlacement.CENTRAL:
             return {SERVER_SCOPE: ev.dp_sgd(z, self.server_rate, 1)}
         if cfg.placement is NoisePlacement.DISTRIBUTED:
-            from flwr_jdp.joint_dp.distributed import owner_plan
-
             if not self.dim:
                 raise ValueError("distributed noise: the schedule has no dimension yet (set at set-up)")
             return {SERVER_SCOPE: owner_plan(cfg, z, self.dim, self.scale).event(self.server_rate)}
@@ -159,3 +158,14 @@ def calibrate_schedule(cfg: JobConfig, schedule: Schedule) -> float:
         if not over:
             return z
         chosen.update(over)
+
+
+def owner_plan(cfg: JobConfig, noise_multiplier: float, dim: int, scale: float) -> SkellamPlan:
+    """The Skellam plan of a run under distributed noise: the server's and every
+    owner's (same formula; an owner floors its share by its policy, see
+    :func:`flwr_jdp.joint_dp.distributed.charge_distributed`)."""
+    return SkellamPlan(
+        clipping_norm=float(cfg.clipping_norm), scale=float(scale), dim=int(dim),
+        noise_multiplier=float(noise_multiplier), num_owners=int(cfg.num_owners),
+        min_survivors=minimum_survivors(cfg.num_owners, cfg.dropout_tolerance),
+        colluding=int(cfg.colluding_owners))

@@ -63,7 +63,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
 from flwr_jdp.config_check import ConfigError
-from flwr_jdp.reply_guard import install, mtl_guard
+from flwr_jdp.mtl.reply_rules import mtl_guard
+from flwr_jdp.reply_guard import install
 
 from .algorithm import MTLConfig
 from .config import namespaced_mtl_config
