@@ -87,6 +87,27 @@ def _with_tensors(batch, tensors: list[torch.Tensor]):  # noqa: ANN001, ANN201
     return _map_tensors(batch, lambda _: next(it))
 
 
+def _not_by_rows(batch, n: int) -> list[str]:  # noqa: ANN001
+    """What in ``batch`` (a collated batch of ``n`` records) does not hold them along dim 0,
+    each as its type and shape (a time-first tensor, a constant, a string): empty if every
+    leaf is a tensor with ``n`` rows (None leaves aside), so that each record's part of the
+    batch is its row block and nothing else."""
+    if isinstance(batch, torch.Tensor):
+        return [] if batch.dim() and batch.shape[0] == n else [f"a tensor of shape {tuple(batch.shape)}"]
+    if isinstance(batch, Mapping):
+        return [d for v in batch.values() for d in _not_by_rows(v, n)]
+    if isinstance(batch, list | tuple):
+        return [d for v in batch for d in _not_by_rows(v, n)]
+    return [] if batch is None else [f"a {type(batch).__name__}"]
+
+
+#: How a batch that does not hold its records along dim 0 is written so that it does.
+BY_ROWS_HINT = ("every tensor of a batch must hold the records along dim 0 (pad_sequence(..., batch_first=True); "
+                "nn.LSTM, nn.GRU and nn.Transformer with batch_first=True, or transpose inside the model, not in "
+                "collate_fn), and a batch must hold nothing else: move constants (masks, settings, strings) out of "
+                "the batch into the model or loss_fn")
+
+
 def _tensors_of(batch) -> list[torch.Tensor]:  # noqa: ANN001
     if isinstance(batch, torch.Tensor):
         return [batch]
@@ -116,6 +137,7 @@ class PoissonLoader(DataLoader):
 
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_or_empty, num_workers=0)
         self.poisson = sampler
+        self.user_collate = collate
         self.collate_or_empty = collate_or_empty
 
     def _next_batch(self):  # noqa: ANN201 - the user's collated structure
@@ -138,6 +160,14 @@ class _Source:
     def of(self, batch: list[torch.Tensor], n: int) -> torch.Tensor:
         t = batch[self.index].to(self.device, self.dtype)
         return t.reshape(n * self.rows_per_record, *self.tail)
+
+    def fits(self, batch: list[torch.Tensor], n: int) -> bool:
+        """Whether ``batch`` (a batch of ``n`` records) has this tensor with the records
+        along dim 0 and the plan's shape (so that :meth:`of` splits it by record)."""
+        if self.index >= len(batch):
+            return False
+        t = batch[self.index]
+        return t.dim() > 0 and t.shape[0] == n and t.numel() == n * self.rows_per_record * math.prod(self.tail)
 
 
 def _source(t: torch.Tensor, batch: list[torch.Tensor], n: int, rows_exact: bool) -> _Source | None:

@@ -10,7 +10,7 @@ from flwr.common import log
 from torch import nn
 
 from ...privacy.mechanisms import GaussianSumMechanism
-from .batches import PoissonLoader
+from .batches import PoissonLoader, _not_by_rows, _tensors_of
 from .capture import _discarding_closure, _DPPass
 from .capture_types import PendingOutput, _Forward, _pending
 from .common import _equal, _same_setting, _settings, new_optimizer
@@ -33,6 +33,7 @@ class _ReleasePass(_DPPass):
         for name, m in private.named_modules():
             m.training = plan.modes.get(name, m.training)
         super().__init__(private, loader, clipping_norm, mechanism, generator, capture)
+        self.strict = False  # after the dry run nothing a record does is refused (its gradient is zero)
         self.user_model = self.shown_model = user_model
         self.user_params = {n: p for n, p in user_model.named_parameters()}
         self.shown = {n: p.detach().clone() for n, p in self.user_params.items()}  # what the user's model showed
@@ -100,12 +101,34 @@ class _ReleasePass(_DPPass):
 
     # ---------------------------------------------------------------- steps
     def _grads(self, draw: int) -> None:
-        """Each record's gradient on batch ``draw``, with the plan's loss, on the pass's model."""
+        """Each record's gradient on batch ``draw``, with the plan's loss, on the pass's model.
+
+        A batch the plan cannot split by record (a tensor ``loss_fn`` gets, or the model's
+        input or the loss's target, without the records along dim 0; anything but tensors
+        in a batch for ``loss_fn``) is computed record by record, each record's batch
+        collated from that record alone (:meth:`_collated_alone`): never refused, never
+        mixed. It can only come from a ``collate_fn`` (or data set) whose layout depends on
+        the data: the dry run collated synthetic records at two batch sizes that no
+        dimension of a record equals, and refused a layout without the records along dim 0
+        (time-first, a constant in the batch), so a fixed layout never reaches this pass.
+        Zeroing such a batch instead would not do: whether a batch is zeroed could then
+        depend on one record, and its whole sum with it."""
         call = self.plan.call
         sample, tensors, batch = self.unstepped[draw]
         n = len(sample.records)
-        if self.plan.loss_fn is not None:
-            self._loss_fn_gradients(batch, n, self.plan.loss_fn)
+        loss_fn = self.plan.loss_fn
+        if _not_by_rows(batch, n) if loss_fn is not None else \
+                not all(s.fits(tensors, n) for s in (*call.inputs, call.target)):
+            self.note("layout", "a batch did not hold its records along dim 0 (a collate_fn whose layout depends "
+                                "on the data?); its records' gradients were computed each on a batch of that "
+                                "record alone")
+            self._collated_alone(sample.records.tolist(), lambda b: loss_fn(self.model, b) if loss_fn is not None
+                                 else self._planned_loss(b))
+            self.last_outputs = None
+            self.ready_draw = draw
+            return
+        if loss_fn is not None:
+            self._loss_fn_gradients(batch, n, loss_fn)
             self.ready_draw = draw
             return
         inputs = tuple(s.of(tensors, n) for s in call.inputs)
@@ -113,6 +136,15 @@ class _ReleasePass(_DPPass):
             fwd = self._pending(self.model, inputs, call.inputs, n, draw)._fwd
         self._gradients(fwd, call.target.of(tensors, n), call)
         self.last_outputs = fwd.values
+
+    def _planned_loss(self, batch: object) -> torch.Tensor:
+        """The plan's torch loss on a batch of one record (its model input and target)."""
+        call = self.plan.call
+        tensors = _tensors_of(batch)
+        if not all(s.fits(tensors, 1) for s in (*call.inputs, call.target)):
+            raise ValueError("a record's batch does not have the plan's layout")
+        out = self.model(*(s.of(tensors, 1) for s in call.inputs))
+        return call.one()(out, call.target.of(tensors, 1))
 
     def _advance(self, upto: int) -> None:
         """The DP steps due: every drawn batch up to ``upto`` not yet stepped on, in order."""

@@ -74,6 +74,9 @@ class _DPStep:
         #: the model's kind and parameter shapes (what the cached shapes and layer roles hold for)
         self.kind = (per_sample.model_kind(model), tuple((n, tuple(p.shape)) for n, p in self.named.items()))
         self.dry = False  # the dry run: rules checked, no gradient computed
+        #: a record whose gradient cannot be computed refuses the code: the dry run's checks and
+        #: a pass without a dry run; the release pass after a dry run zeroes that record instead
+        self.strict = True
         self.shown_model = model  # the model whose output the user's code reads
         self.modes: dict[str, bool] | None = None
         self.device = torch.device("cpu")
