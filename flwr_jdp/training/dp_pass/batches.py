@@ -35,8 +35,8 @@ class PoissonBatches:
         self.empty_passes = 0
         self.current: UnitBatch | None = None
         self.tensors: list[torch.Tensor] = []  # the tensors of the current collated batch
-        #: called with (draw number, sample, tensors, the batch's structure holding them) once
-        #: each drawn batch is collated
+        #: called with (draw number, sample, tensors, the batch's structure holding them, the
+        #: records' items as the data set gave them) once each drawn batch is collated
         self.on_batch: Callable | None = None
 
     def __len__(self) -> int:
@@ -101,6 +101,31 @@ def _not_by_rows(batch, n: int) -> list[str]:  # noqa: ANN001
     return [] if batch is None else [f"a {type(batch).__name__}"]
 
 
+def _rows_are_records(batch, items: list, collate: Callable, leaves: list[int] | None = None) -> bool:  # noqa: ANN001
+    """Whether the rows of ``batch`` (``collate(items)``) are, record by record, that
+    record's batch of one (``collate([item])``), exactly: its tensors numbered ``leaves``
+    (default: every leaf, which must all be tensors), each with the records along dim 0.
+    So a split by rows gives each record its own values only, whatever the layout
+    (a time-first batch whose length equals the number of records, padding to the
+    batch's longest record)."""
+    n = len(items)
+    tensors = _tensors_of(batch)
+    if leaves is None:
+        if _not_by_rows(batch, n):
+            return False
+        leaves = list(range(len(tensors)))
+    if any(i >= len(tensors) or tensors[i].dim() == 0 or tensors[i].shape[0] != n for i in leaves):
+        return False
+    for j, item in enumerate(items):
+        try:
+            one = _tensors_of(collate([item]))
+        except Exception:  # noqa: BLE001 - the user's collate_fn on one record: not split by rows
+            return False
+        if len(one) != len(tensors) or not all(_equal(one[i], tensors[i][j:j + 1]) for i in leaves):
+            return False
+    return True
+
+
 #: How a batch that does not hold its records along dim 0 is written so that it does.
 BY_ROWS_HINT = ("every tensor of a batch must hold the records along dim 0 (pad_sequence(..., batch_first=True); "
                 "nn.LSTM, nn.GRU and nn.Transformer with batch_first=True, or transpose inside the model, not in "
@@ -132,7 +157,8 @@ class PoissonLoader(DataLoader):
             batch = collate(items) if items else _empty_like(collate([dataset[0]]))
             sampler.tensors = [t.detach().clone() for t in _tensors_of(batch)]  # the pass's own copy
             if sampler.on_batch is not None:
-                sampler.on_batch(sampler.drawn, sampler.current, sampler.tensors, _with_tensors(batch, sampler.tensors))
+                sampler.on_batch(sampler.drawn, sampler.current, sampler.tensors, _with_tensors(batch, sampler.tensors),
+                                 list(items))
             return batch
 
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_or_empty, num_workers=0)

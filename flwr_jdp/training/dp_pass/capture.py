@@ -181,7 +181,7 @@ class _DPPass(_PerRecord, _DPStep):
         """One DP step on drawn batch ``draw``, taken by the pass with the last loss."""
         call = self.last_loss
         assert call is not None
-        sample, tensors, _ = self.unstepped[draw]
+        sample, tensors, _, _ = self.unstepped[draw]
         n = len(sample.records)
         if not all(s.fits(tensors, n) for s in (*call.inputs, call.target)):
             self.refuse(f"a batch of the private loader does not hold its {n} records along dim 0 as the "

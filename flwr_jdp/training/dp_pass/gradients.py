@@ -126,25 +126,25 @@ class _PerRecord:
 
         self._record_by_record(n, term, "loss_fn(model, batch)", torch.tensor(float("nan")))
 
-    def _collated_alone(self, records: list[int], loss_of: Callable[[object], torch.Tensor]) -> None:
+    def _collated_alone(self, items: list, loss_of: Callable[[object], torch.Tensor]) -> None:
         """Each record's gradient of ``loss_of(its batch)``, its batch collated from that
-        record alone (the data set's item through the user's ``collate_fn``): for a batch
-        of the owner's that does not hold its records along dim 0, which the release pass
-        cannot split by record. Nothing in a record's batch comes from another record,
-        whatever ``collate_fn`` does with the layout; a record whose batch or loss fails
-        gets a zero gradient."""
+        record alone (its item, as the data set gave it for the batch, through the user's
+        ``collate_fn``): for a batch of the owner's whose rows are not each record's own
+        batch, which the release pass cannot split by rows. Nothing in a record's batch
+        comes from another record, whatever ``collate_fn`` does with the layout; a record
+        whose batch or loss fails gets a zero gradient."""
         self.restore("before a loss")
         for p in self.params:
             p.grad_sample = None
         device = next(iter(self.params)).device
-        dataset, collate = self.loader.dataset, self.loader.user_collate
+        collate = self.loader.user_collate
 
         def term(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            batch = _map_tensors(collate([dataset[records[i]]]), lambda t: t.to(device))
+            batch = _map_tensors(collate([items[i]]), lambda t: t.to(device))
             loss = _scalar(loss_of(batch))
             return loss, loss.detach()
 
-        self._record_by_record(len(records), term, "a record's batch", torch.tensor(float("nan")))
+        self._record_by_record(len(items), term, "a record's batch", torch.tensor(float("nan")))
 
     def _per_record(self, fwd: _Forward, targets: torch.Tensor, loss_one) -> torch.Tensor:  # noqa: ANN001
         """Each record's gradient of its own term, on the record alone: one vectorised

@@ -10,7 +10,7 @@ from flwr.common import log
 from torch import nn
 
 from ...privacy.mechanisms import GaussianSumMechanism
-from .batches import PoissonLoader, _not_by_rows, _tensors_of
+from .batches import PoissonLoader, _rows_are_records, _tensors_of
 from .capture import _discarding_closure, _DPPass
 from .capture_types import PendingOutput, _Forward, _pending
 from .common import _equal, _same_setting, _settings, new_optimizer
@@ -103,26 +103,28 @@ class _ReleasePass(_DPPass):
     def _grads(self, draw: int) -> None:
         """Each record's gradient on batch ``draw``, with the plan's loss, on the pass's model.
 
-        A batch the plan cannot split by record (a tensor ``loss_fn`` gets, or the model's
-        input or the loss's target, without the records along dim 0; anything but tensors
-        in a batch for ``loss_fn``) is computed record by record, each record's batch
-        collated from that record alone (:meth:`_collated_alone`): never refused, never
-        mixed. It can only come from a ``collate_fn`` (or data set) whose layout depends on
-        the data: the dry run collated synthetic records at two batch sizes that no
-        dimension of a record equals, and refused a layout without the records along dim 0
-        (time-first, a constant in the batch), so a fixed layout never reaches this pass.
-        Zeroing such a batch instead would not do: whether a batch is zeroed could then
-        depend on one record, and its whole sum with it."""
+        The batch is split by rows only where each record's rows are exactly its batch of
+        one (:func:`~.batches._rows_are_records`: the tensors ``loss_fn`` gets, else the
+        model's input and the loss's target). Elsewhere each record's gradient comes from
+        a batch collated from that record alone (:meth:`_collated_alone`): never refused,
+        never mixed. That happens for a layout the dry run could not see: it collated
+        synthetic records at two batch sizes that no dimension of a record equals and
+        refused a batch without the records along dim 0 (time first, a constant in the
+        batch), whatever the data, so only a ``collate_fn`` whose layout depends on the
+        data, or one whose rows depend on the other records (padding to the batch's
+        longest record), reaches this fallback. Zeroing such a batch instead would not do:
+        whether a batch is zeroed could then depend on one record, and its whole sum with it."""
         call = self.plan.call
-        sample, tensors, batch = self.unstepped[draw]
+        sample, tensors, batch, items = self.unstepped[draw]
         n = len(sample.records)
         loss_fn = self.plan.loss_fn
-        if _not_by_rows(batch, n) if loss_fn is not None else \
-                not all(s.fits(tensors, n) for s in (*call.inputs, call.target)):
-            self.note("layout", "a batch did not hold its records along dim 0 (a collate_fn whose layout depends "
-                                "on the data?); its records' gradients were computed each on a batch of that "
-                                "record alone")
-            self._collated_alone(sample.records.tolist(), lambda b: loss_fn(self.model, b) if loss_fn is not None
+        leaves = None if loss_fn is not None else sorted({s.index for s in (*call.inputs, call.target)})
+        if not _rows_are_records(batch, items, self.loader.user_collate, leaves) or \
+                (loss_fn is None and not all(s.fits(tensors, n) for s in (*call.inputs, call.target))):
+            self.note("layout", "a batch's rows were not each record's own batch (a collate_fn whose layout "
+                                "depends on the data, or padding to the batch's longest record?); its records' "
+                                "gradients were computed each on a batch of that record alone")
+            self._collated_alone(items, lambda b: loss_fn(self.model, b) if loss_fn is not None
                                  else self._planned_loss(b))
             self.last_outputs = None
             self.ready_draw = draw
