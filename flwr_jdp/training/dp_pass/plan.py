@@ -1,4 +1,4 @@
-"""The dry run and its plan: the train function on two synthetic records shaped as the
+"""The dry run and its plan: the train function on a few synthetic records shaped as the
 owner's (none of the owner's data), which checks every rule of the DP pass (so a refusal
 cannot depend on the data) and fixes the loss, the optimizer, the model's modes and
 device (:class:`_Plan`)."""
@@ -89,8 +89,8 @@ def _counts(item) -> tuple[int, int]:  # noqa: ANN001
     dims = set()
 
     def visit(x) -> None:  # noqa: ANN001
-        if isinstance(x, torch.Tensor):
-            dims.update(x.shape)
+        if isinstance(x, torch.Tensor) or hasattr(x, "shape") and hasattr(x, "dtype"):  # NumPy arrays too
+            dims.update(int(d) for d in x.shape)
         elif isinstance(x, dict):
             for v in x.values():
                 visit(v)
@@ -164,7 +164,7 @@ def _check_by_rows(dataset: _SyntheticSet, loader: DataLoader, call: _LossCall |
 
 def dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, *, capture: bool,
             loss_fn: LossFn | None = None) -> Plan:
-    """The train function on a copy of the model and two synthetic records: every rule of
+    """The train function on a copy of the model and a few synthetic records: every rule of
     the DP pass is checked here (a refusal is structural: it cannot depend on the owner's
     data), and the loss, optimizer, modes and device it used become the plan. The
     parameters with ``requires_grad`` are the ones made private. With ``loss_fn`` the
