@@ -298,7 +298,10 @@ def test_a_weight_penalty_is_set_aside_and_a_hand_written_loss_refused(placement
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_the_users_exception_and_batch_sizes_stay_on_the_node(placement):
+def test_the_users_exception_and_batch_sizes_stay_on_the_node(placement, caplog):
+    """An exception on the owner's data (the personal fit, the DP pass) stays on the node:
+    the round releases (whether the owner replies cannot depend on its data) and the
+    exception's message is in the node's log only."""
     def leaky(net, loader):  # noqa: ANN001
         for x, _ in loader:
             raise ValueError(f"secret {float(x.sum()):.6f} in a batch of {len(x)}")
@@ -307,13 +310,17 @@ def test_the_users_exception_and_batch_sizes_stay_on_the_node(placement):
 
     def fit_then_leak(net, loader):  # noqa: ANN001
         calls.append(1)
-        if len(calls) == 1:
+        if len(calls) == 1:  # the dry run, on synthetic records
             return _sgd_loop()(net, loader)
         return leaky(net, loader)
 
-    reply = _round(placement, fit_then_leak)
-    _refused(reply, "raised ValueError")
-    assert "secret" not in reply.error.reason and "batch of" not in reply.error.reason
+    with caplog.at_level("WARNING", logger="flwr"):
+        reply = _round(placement, fit_then_leak)
+    assert len(calls) == 3 and np.isfinite(_release(reply)).all()
+    assert set(reply.content.keys()) == {"arrays", "metrics"} and "secret" not in str(reply.content)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("personal fit raised ValueError: secret" in m for m in logged), logged
+    assert any("DP pass: ValueError: secret" in m for m in logged), logged
 
 
 # ------------------------------------------------- releases within the bound
@@ -892,3 +899,161 @@ def test_a_lightning_module_through_the_drop_in_client_releases_what_the_plain_l
     np.testing.assert_array_equal(lit, plain)
     assert seen and all(seen)
     assert not any("DP pass:" in r.getMessage() for r in caplog.records)  # each step took its own draw
+
+
+# ----------------------- the privacy review's second pass: layouts and refusals
+T = 5  # sequence length of the sequence cases
+
+
+class _SeqNet(nn.Module):
+    """A per-time-step classifier: any layout (time first or records first) of (.., .., 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def _seq_loss(net: nn.Module, batch: tuple) -> torch.Tensor:
+    return F.cross_entropy(net(batch[0]).reshape(-1, 2), batch[1].reshape(-1))
+
+
+def _stack(time_first):  # noqa: ANN001, ANN202
+    """A collate stacking records along dim 1 (pad_sequence's default) where ``time_first(xs)``, else dim 0."""
+    def collate(items):  # noqa: ANN001, ANN202
+        xs, ys = zip(*items, strict=True)
+        dim = 1 if time_first(torch.stack(xs)) else 0
+        return torch.stack(xs, dim=dim), torch.stack(ys, dim=dim)
+    return collate
+
+
+def _seq_loader(collate):  # noqa: ANN001, ANN202
+    def as_loader(x: torch.Tensor, y: torch.Tensor) -> DataLoader:
+        xs = torch.stack([x * (1 + t / T) for t in range(T)], dim=1)  # (N, T, 4)
+        return DataLoader(TensorDataset(xs, y[:, None].expand(-1, T).contiguous()), batch_size=8,
+                          collate_fn=collate)
+    return as_loader
+
+
+def _seq_loop(net: nn.Module, loader: DataLoader) -> None:
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for batch in loader:
+        opt.zero_grad()
+        _seq_loss(net, batch).backward()
+        opt.step()
+
+
+def _with_constant(items):  # noqa: ANN001, ANN202
+    xs, ys = zip(*items, strict=True)
+    return torch.stack(xs), torch.stack(ys), torch.ones(T, T)  # a (T, T) mask in the batch
+
+
+def _with_names(items):  # noqa: ANN001, ANN202
+    xs, ys = zip(*items, strict=True)
+    return torch.stack(xs), torch.stack(ys), [f"record {float(x.sum()):.3f}" for x in xs]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("collate,says", [(_stack(lambda xs: True), "a tensor of shape (5, 2, 4)"),
+                                          (_with_constant, "a tensor of shape (5, 5)"),
+                                          (_with_names, "a str")],
+                         ids=["time-first", "a-constant-in-the-batch", "strings-in-the-batch"])
+def test_with_loss_fn_a_batch_without_the_records_along_dim_0_is_refused_on_the_dry_run(placement, collate, says):
+    """A collate that stacks records along dim 1 (pad_sequence's default, nn.LSTM's layout),
+    or puts a constant or strings in the batch: with loss_fn each record's loss would see
+    the whole batch (the review measured 3x the DP-SGD bound). Refused on the dry run,
+    whatever the data, before the owner is charged, saying how to fix it; the same data and
+    loss with the records along dim 0 release within the DP-SGD bound."""
+    app, jdp, ctx, _ = _client_node(_config(placement), model_fn=_SeqNet)
+    _, _, train = _setup_and_instruction(app, ctx, Z, Q, 1, model_fn=_SeqNet)
+    loader = _seq_loader(collate)(*_loader().dataset.tensors)
+    reply = jdp.train(train, ctx, _SeqNet(), loader, _seq_loop, loss_fn=_seq_loss)
+    _refused(reply, f"the batch holds {says} for a batch of 2 records")
+    _refused(reply, "records along dim 0 (pad_sequence(..., batch_first=True)")
+    _refused(reply, "move constants")
+    assert "ledger.0" not in ctx.state
+    move = _max_move(placement, _seq_loop, _SeqNet, outlier=True, stride=4, loss_fn=_seq_loss,
+                     as_loader=_seq_loader(_stack(lambda xs: False)))
+    assert 0 < move <= _bound(placement) * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_without_loss_fn_a_time_first_input_is_refused_even_when_its_length_is_the_dry_runs_batch(placement):
+    """Without loss_fn the pass splits the model's input and the loss's target by rows: a
+    time-first batch whose sequence length (2) was the old dry run's batch size passed it
+    and was split along time on the owner's batches. The dry run's batch sizes are now no
+    dimension of a record: refused whatever the data."""
+    def two_steps(x: torch.Tensor, y: torch.Tensor) -> DataLoader:
+        xs = torch.stack([x, 2 * x], dim=1)  # (N, 2, 4)
+        return DataLoader(TensorDataset(xs, torch.stack([y, y], dim=1)), batch_size=8,
+                          collate_fn=_stack(lambda xs: True))
+
+    def loop(net: nn.Module, loader: DataLoader) -> None:
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(net(x).reshape(-1, 2), y.reshape(-1)).backward()
+            opt.step()
+
+    reply = _round(placement, _personal_fit_then(loop), two_steps(*_loader().dataset.tensors), _SeqNet)
+    _refused(reply, "records along dim 0")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_layout_chosen_from_the_data_is_computed_record_by_record_within_the_bound(placement, caplog):
+    """A collate that goes time first only when an outlier record is in the batch (never on
+    synthetic records, so the dry run accepts it): that batch cannot be split by rows, and
+    each of its records' gradients comes from a batch of that record alone (collated
+    alone), also where the batch happens to hold as many records as time steps (its dim 0
+    then has the batch's size: a check of the shapes alone would split it along time).
+    Neither refused nor zeroed (zeroing the batch would let one record remove the whole
+    batch's sum): the release moves by at most the DP-SGD sensitivity."""
+    chooser = _stack(lambda xs: bool(xs.abs().max() > 50))
+    with caplog.at_level("WARNING", logger="flwr"):
+        move = _max_move(placement, _seq_loop, _SeqNet, outlier=True, stride=2, loss_fn=_seq_loss,
+                         as_loader=_seq_loader(chooser))
+    assert 0 < move <= _bound(placement) * (1 + 1e-4)
+    assert any("rows were not each record's own batch" in r.getMessage() for r in caplog.records)
+
+
+def _corrupt_label(i: int | slice | None) -> DataLoader:
+    """The neighbours' data with record ``i``'s label (or those of a slice) outside the head's two classes."""
+    x, y = (t.clone() for t in _neighbours(0)[0].dataset.tensors)
+    if i is not None:
+        y[i] = 2
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("with_loss_fn", [False, True], ids=["torch-loss", "loss_fn"])
+def test_a_record_whose_loss_raises_changes_neither_whether_the_owner_replies_nor_the_bound(placement,
+                                                                                          with_loss_fn, caplog):
+    """One record with a label the 2-class head does not have: the dry run (class 0) passes;
+    on the owner's data its loss raises (IndexError) when it is sampled, in the personal fit
+    (a textbook loop with no guard), in the vectorised pass and in its micro-batch. The
+    owner replies on both neighbours (the record valid or corrupt) in every round, is never
+    marked as breaking a rule, and the corrupt record's gradient is zero: the release moves
+    by at most the DP-SGD sensitivity. The exception's message stays in the node's log."""
+    kw = {"loss_fn": lambda net, b: F.cross_entropy(net(b[0]), b[1])} if with_loss_fn else {}
+    loop = _loop_of(lambda net, b: F.cross_entropy(net(b[0]), b[1]), _TanhTiny, [])
+    moves = []
+    with caplog.at_level("WARNING", logger="flwr"):
+        for i in range(0, N, 3):
+            honest, corrupt = (_round(placement, loop, _corrupt_label(j), _TanhTiny, **kw) for j in (None, i))
+            assert not honest.has_error() and not corrupt.has_error(), (honest.error or corrupt.error).reason
+            moves.append(float(np.linalg.norm(_release(honest) - _release(corrupt))))
+    assert 0 < max(moves) <= _bound(placement) * (1 + 1e-4)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("personal fit raised IndexError" in m for m in logged)
+    assert any("a record's gradient was set to zero" in m and "IndexError" in m for m in logged)
+    app, jdp, ctx, loader = _client_node(_config(placement), _corrupt_label(slice(None, None, 4)), _TanhTiny)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="flwr"):
+        for rnd in (1, 2):  # a quarter of the records corrupt: sampled in every round
+            _, _, train = _setup_and_instruction(app, ctx, Z, Q, 5, rnd=rnd, model_fn=_TanhTiny)
+            assert np.isfinite(_release(jdp.train(train, ctx, _TanhTiny(), loader, loop, **kw))).all()
+    assert any("a record's gradient was set to zero" in r.getMessage() for r in caplog.records)
+    assert "jdp.refused.0" not in ctx.state

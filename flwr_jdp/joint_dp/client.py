@@ -318,21 +318,28 @@ class JointDPClient:
 
     @staticmethod
     def _fit_personal(model: nn.Module, split: ParamSplit, fit: Callable[[nn.Module], object]) -> None:
+        """``fit(model)`` on the owner's own data, shared parameters frozen. Whatever the data
+        does there (an exception, non-finite values) the round goes on with the previous
+        personal values, logged on the node only: whether the owner replies must not
+        depend on its data."""
         params = dict(model.named_parameters())
         flags = {n: p.requires_grad for n, p in params.items()}
         before = {n: params[n].detach().clone() for n in split.personal}
+        raised = None
         try:
             for n in split.shared:
                 params[n].requires_grad_(False)
             fit(model)
+        except Exception as err:  # noqa: BLE001 - the user's code on the owner's data; its message stays here
+            raised = f"raised {type(err).__name__}: {err}"
         finally:
             for n, p in params.items():
                 p.requires_grad_(flags[n])
                 p.grad = None  # nothing of the fit carries into the release's steps
         bad = [n for n in split.personal if not torch.isfinite(params[n]).all()]
-        if bad:  # kept local, whatever the data: the round goes on with the previous values
-            log(WARNING, "The personal fit made %s non-finite (a non-finite record or a diverging loss?); "
-                "the previous personal values are kept", bad[:3])
+        if raised or bad:  # kept local, whatever the data: the round goes on with the previous values
+            log(WARNING, "The personal fit %s; the previous personal values are kept", raised or
+                f"made {bad[:3]} non-finite (a non-finite record or a diverging loss?)")
             with torch.no_grad():
                 for n in split.personal:
                     params[n].copy_(before[n])

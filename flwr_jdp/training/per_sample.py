@@ -398,13 +398,16 @@ def model_kind(model: nn.Module) -> tuple:
 
 
 def record_by_record(model: nn.Module, params: dict[str, nn.Parameter], n: int,
-                     term: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                     term: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                     on_error: Callable[[int, Exception], torch.Tensor] | None = None) -> torch.Tensor:
     """Each record's gradient computed on the record alone (micro-batches of one):
     ``term(i)`` runs record ``i``'s forward pass and loss term with nothing else in the
     batch and returns ``(loss, output)``; the gradient of that loss in ``params`` is row
     ``i`` of their ``grad_sample``. The model's buffers are put back after each record
     (a forward that updates one cannot carry a record into the next), ``.grad`` is never
-    touched. Returns the records' outputs, stacked."""
+    touched. Returns the records' outputs, stacked. With ``on_error``, a record whose
+    forward or backward raises has a zero row and ``on_error(i, err)`` as its output
+    (else the exception propagates)."""
     names = list(params)
     flags = {k: p.requires_grad for k, p in params.items()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -414,10 +417,17 @@ def record_by_record(model: nn.Module, params: dict[str, nn.Parameter], n: int,
         for p in params.values():
             p.requires_grad_(True)
         for i in range(n):
-            with torch.enable_grad():
-                loss, out = term(i)
-                grads = (torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
-                         if loss.requires_grad else [None] * len(names))
+            try:
+                with torch.enable_grad():
+                    loss, out = term(i)
+                    grads = (torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+                             if loss.requires_grad else [None] * len(names))
+            except (MemoryError, torch.OutOfMemoryError):
+                raise
+            except Exception as err:
+                if on_error is None:
+                    raise
+                grads, out = [None] * len(names), on_error(i, err)
             for k, g in zip(names, grads, strict=True):
                 rows[k].append(torch.zeros_like(params[k]) if g is None else g.detach())
             outputs.append(out.detach())

@@ -37,7 +37,7 @@ them per round: what the ledgers record (:func:`flwr_jdp.privacy.events.dp_sgd`)
 Under central noise (``capture``) the clipped sum is kept instead and nothing moves.
 
 The DP pass owns the release. With the train function given (the drop-in client),
-:func:`private_training` first runs it on two synthetic records shaped as the owner's
+:func:`private_training` first runs it on a few synthetic records shaped as the owner's
 (:func:`_dry_run`, on a copy of the model): that reads none of the owner's data, fixes
 the loss and its arguments, the optimizer (a ``torch.optim`` class and its settings), the
 model's modes and device (:class:`_Plan`), and checks every rule below, so a refusal
@@ -59,7 +59,15 @@ Refused on the dry run, whatever the data:
 - the loss is not a torch loss function on the model's output (a hand-written loss,
   the output transformed first), or a second loss on one batch's output;
 - per-record weights in the loss, ``step(closure)``, an optimizer from outside
-  ``torch.optim``, keyword arguments to the model, no loss or no optimizer step at all.
+  ``torch.optim``, keyword arguments to the model, no loss or no optimizer step at all;
+- a batch without the records along dim 0 (time first, or, with ``loss_fn``, a constant
+  or a string in it): the dry run collates its synthetic records at two batch sizes that
+  no dimension of a record equals (:func:`.plan._counts`), so such a layout shows
+  whatever the data.
+
+On the owner's data nothing is refused: a batch is split by rows only where each record's
+rows are exactly its batch of one (else each record is collated alone), and a record
+whose loss or gradient raises or is not finite gets a zero gradient (:mod:`.gradients`).
 
 Without the train function given, the same rules are checked as the block's train
 function runs (what the dry run does).

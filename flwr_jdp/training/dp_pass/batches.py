@@ -35,8 +35,8 @@ class PoissonBatches:
         self.empty_passes = 0
         self.current: UnitBatch | None = None
         self.tensors: list[torch.Tensor] = []  # the tensors of the current collated batch
-        #: called with (draw number, sample, tensors, the batch's structure holding them) once
-        #: each drawn batch is collated
+        #: called with (draw number, sample, tensors, the batch's structure holding them, the
+        #: records' items as the data set gave them) once each drawn batch is collated
         self.on_batch: Callable | None = None
 
     def __len__(self) -> int:
@@ -87,6 +87,52 @@ def _with_tensors(batch, tensors: list[torch.Tensor]):  # noqa: ANN001, ANN201
     return _map_tensors(batch, lambda _: next(it))
 
 
+def _not_by_rows(batch, n: int) -> list[str]:  # noqa: ANN001
+    """What in ``batch`` (a collated batch of ``n`` records) does not hold them along dim 0,
+    each as its type and shape (a time-first tensor, a constant, a string): empty if every
+    leaf is a tensor with ``n`` rows (None leaves aside), so that each record's part of the
+    batch is its row block and nothing else."""
+    if isinstance(batch, torch.Tensor):
+        return [] if batch.dim() and batch.shape[0] == n else [f"a tensor of shape {tuple(batch.shape)}"]
+    if isinstance(batch, Mapping):
+        return [d for v in batch.values() for d in _not_by_rows(v, n)]
+    if isinstance(batch, list | tuple):
+        return [d for v in batch for d in _not_by_rows(v, n)]
+    return [] if batch is None else [f"a {type(batch).__name__}"]
+
+
+def _rows_are_records(batch, items: list, collate: Callable, leaves: list[int] | None = None) -> bool:  # noqa: ANN001
+    """Whether the rows of ``batch`` (``collate(items)``) are, record by record, that
+    record's batch of one (``collate([item])``), exactly: its tensors numbered ``leaves``
+    (default: every leaf, which must all be tensors), each with the records along dim 0.
+    So a split by rows gives each record its own values only, whatever the layout
+    (a time-first batch whose length equals the number of records, padding to the
+    batch's longest record)."""
+    n = len(items)
+    tensors = _tensors_of(batch)
+    if leaves is None:
+        if _not_by_rows(batch, n):
+            return False
+        leaves = list(range(len(tensors)))
+    if any(i >= len(tensors) or tensors[i].dim() == 0 or tensors[i].shape[0] != n for i in leaves):
+        return False
+    for j, item in enumerate(items):
+        try:
+            one = _tensors_of(collate([item]))
+        except Exception:  # noqa: BLE001 - the user's collate_fn on one record: not split by rows
+            return False
+        if len(one) != len(tensors) or not all(_equal(one[i], tensors[i][j:j + 1]) for i in leaves):
+            return False
+    return True
+
+
+#: How a batch that does not hold its records along dim 0 is written so that it does.
+BY_ROWS_HINT = ("every tensor of a batch must hold the records along dim 0 (pad_sequence(..., batch_first=True); "
+                "nn.LSTM, nn.GRU and nn.Transformer with batch_first=True, or transpose inside the model, not in "
+                "collate_fn), and a batch must hold nothing else: move constants (masks, settings, strings) out of "
+                "the batch into the model or loss_fn")
+
+
 def _tensors_of(batch) -> list[torch.Tensor]:  # noqa: ANN001
     if isinstance(batch, torch.Tensor):
         return [batch]
@@ -111,11 +157,13 @@ class PoissonLoader(DataLoader):
             batch = collate(items) if items else _empty_like(collate([dataset[0]]))
             sampler.tensors = [t.detach().clone() for t in _tensors_of(batch)]  # the pass's own copy
             if sampler.on_batch is not None:
-                sampler.on_batch(sampler.drawn, sampler.current, sampler.tensors, _with_tensors(batch, sampler.tensors))
+                sampler.on_batch(sampler.drawn, sampler.current, sampler.tensors, _with_tensors(batch, sampler.tensors),
+                                 list(items))
             return batch
 
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_or_empty, num_workers=0)
         self.poisson = sampler
+        self.user_collate = collate
         self.collate_or_empty = collate_or_empty
 
     def _next_batch(self):  # noqa: ANN201 - the user's collated structure
@@ -138,6 +186,14 @@ class _Source:
     def of(self, batch: list[torch.Tensor], n: int) -> torch.Tensor:
         t = batch[self.index].to(self.device, self.dtype)
         return t.reshape(n * self.rows_per_record, *self.tail)
+
+    def fits(self, batch: list[torch.Tensor], n: int) -> bool:
+        """Whether ``batch`` (a batch of ``n`` records) has this tensor with the records
+        along dim 0 and the plan's shape (so that :meth:`of` splits it by record)."""
+        if self.index >= len(batch):
+            return False
+        t = batch[self.index]
+        return t.dim() > 0 and t.shape[0] == n and t.numel() == n * self.rows_per_record * math.prod(self.tail)
 
 
 def _source(t: torch.Tensor, batch: list[torch.Tensor], n: int, rows_exact: bool) -> _Source | None:

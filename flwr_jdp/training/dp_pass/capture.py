@@ -11,7 +11,7 @@ import torch
 from flwr.common import log
 from torch import nn
 
-from .batches import _source
+from .batches import BY_ROWS_HINT, _not_by_rows, _source
 from .capture_types import PendingOutput, _Forward, _LossCall, _pending
 from .common import UserLoopError, _same_setting, _settings, new_optimizer
 from .gradients import _PerRecord
@@ -73,8 +73,13 @@ class _DPPass(_PerRecord, _DPStep):
             self.refuse("the model's input is not a tensor of the private loader's current batch (moving it to "
                         "a device, casting or reshaping it is fine): transform records in the data set (its "
                         "transform or collate_fn), or in loss_fn, not in the train function; mixing the records "
-                        "of a batch (mixup) breaks per-record clipping" + LOSS_FN_HINT)
+                        "of a batch (mixup) breaks per-record clipping" + self._layout(n) + LOSS_FN_HINT)
         return self._pending(module, tuple(a.detach() for a in args), sources, n)
+
+    def _layout(self, n: int) -> str:
+        """What to change where the current batch does not hold its ``n`` records along dim 0."""
+        bad = _not_by_rows(self.sampler.tensors, n)
+        return f"; the batch holds {bad[0]} for {n} records: {BY_ROWS_HINT}" if bad and n > 0 else ""
 
     def _pending(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], sources: tuple, n: int,
                  draw: int | None = None) -> PendingOutput:
@@ -136,7 +141,7 @@ class _DPPass(_PerRecord, _DPStep):
         if target_source is None:
             self.refuse("the loss's target is not a tensor of the private loader's current batch (moving it to "
                         "a device, casting or reshaping it is fine): transform records in the data set, not "
-                        "in the train function" + LOSS_FN_HINT)
+                        "in the train function" + self._layout(n) + LOSS_FN_HINT)
         if out.shape[0] != target.shape[0]:
             self.refuse("the loss's input and target have different numbers of rows")
         for name, value in params.items():
@@ -176,8 +181,11 @@ class _DPPass(_PerRecord, _DPStep):
         """One DP step on drawn batch ``draw``, taken by the pass with the last loss."""
         call = self.last_loss
         assert call is not None
-        sample, tensors, _ = self.unstepped[draw]
+        sample, tensors, _, _ = self.unstepped[draw]
         n = len(sample.records)
+        if not all(s.fits(tensors, n) for s in (*call.inputs, call.target)):
+            self.refuse(f"a batch of the private loader does not hold its {n} records along dim 0 as the "
+                        f"others do: {BY_ROWS_HINT}")
         inputs = tuple(s.of(tensors, n) for s in call.inputs)
         with torch.no_grad():
             fwd = self._pending(self.model, inputs, call.inputs, n, draw)._fwd

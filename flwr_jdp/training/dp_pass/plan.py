@@ -1,4 +1,4 @@
-"""The dry run and its plan: the train function on two synthetic records shaped as the
+"""The dry run and its plan: the train function on a few synthetic records shaped as the
 owner's (none of the owner's data), which checks every rule of the DP pass (so a refusal
 cannot depend on the data) and fixes the loss, the optimizer, the model's modes and
 device (:class:`_Plan`)."""
@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.data import DataLoader
 
 from ..dp_sgd import UnitBatch
-from .batches import PoissonBatches, PoissonLoader
+from .batches import BY_ROWS_HINT, PoissonBatches, PoissonLoader, _not_by_rows, _tensors_of
 from .capture import LOSS_FN_HINT, PrivateModule, _discarding_closure, _DPPass
 from .capture_types import _LossCall
 from .common import UserLoopError, _equal, _settings
@@ -81,36 +81,90 @@ def _synthetic(item, generator: torch.Generator):  # noqa: ANN001, ANN202
     return item
 
 
-class _BothRecords(PoissonBatches):
-    """The dry run's batches: both synthetic records, every time (no sampling)."""
+def _counts(item) -> tuple[int, int]:  # noqa: ANN001
+    """The dry run's two batch sizes: the two smallest integers from 2 on that are no
+    dimension of a tensor of ``item`` (one record), so that a collated tensor whose dim 0
+    is not the records (time first, a padded length, a constant) has a dim 0 other than
+    the batch size at one of them at least, whatever the data."""
+    dims = set()
+
+    def visit(x) -> None:  # noqa: ANN001
+        if isinstance(x, torch.Tensor) or hasattr(x, "shape") and hasattr(x, "dtype"):  # NumPy arrays too
+            dims.update(int(d) for d in x.shape)
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, list | tuple):
+            for v in x:
+                visit(v)
+
+    visit(item)
+    free = (k for k in range(2, 2 + len(dims) + 2) if k not in dims)
+    return next(free), next(free)
+
+
+class _AllRecords(PoissonBatches):
+    """The dry run's batches: every synthetic record, every time (no sampling)."""
 
     def draw(self) -> list[int]:
         if self.drawn >= self.steps:
             raise UserLoopError("the private loader has yielded every batch of this round")
-        self.current = UnitBatch(torch.tensor([0, 1]), torch.tensor([0, 1]), 2)
+        self.current = UnitBatch(torch.arange(self.num_units), torch.arange(self.num_units), self.num_units)
         self.drawn += 1
-        return [0, 1]
+        return list(range(self.num_units))
+
+
+def _all_records(count: int) -> _AllRecords:
+    return _AllRecords(torch.arange(count), count, 1.0, 1, torch.Generator().manual_seed(0), False, 1)
 
 
 class _SyntheticSet(torch.utils.data.Dataset):
-    """Two synthetic records shaped as the owner's (the dry run's data); its length is the
-    owner's (public) data size, as a train function may read it."""
+    """Synthetic records shaped as the owner's (the dry run's data): ``count`` of them
+    (:func:`_counts`, the larger one), the dry run's batches the first ``self.count``; its
+    length is the owner's (public) data size, as a train function may read it."""
 
     def __init__(self, dataset, size: int) -> None:  # noqa: ANN001
         g = torch.Generator().manual_seed(0)
-        self.items = [_synthetic(dataset[0], g) for _ in range(2)]
+        first = dataset[0]
+        self.count, self.other = _counts(first)
+        self.items = [_synthetic(first, g) for _ in range(self.other)]
         self.size = size
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, i: int):  # noqa: ANN204
-        return self.items[i % 2]
+        return self.items[i % len(self.items)]
+
+    def batch(self, collate, count: int | None = None):  # noqa: ANN001, ANN201
+        """The first ``count`` records (default: the dry run's batch size) collated."""
+        from torch.utils.data import default_collate
+
+        return (collate or default_collate)(self.items[:count or self.count])
+
+
+def _check_by_rows(dataset: _SyntheticSet, loader: DataLoader, call: _LossCall | None) -> None:
+    """The collated synthetic records at both batch sizes of :func:`_counts`: with
+    ``loss_fn`` (``call`` None) every leaf of the batch, else the model's input and the
+    loss's target, must be a tensor with the records along dim 0, so that the release pass
+    splits each batch by record (refused otherwise, whatever the data)."""
+    for count in (dataset.count, dataset.other):
+        batch = dataset.batch(loader.collate_fn, count)
+        if call is None:
+            bad = _not_by_rows(batch, count)
+        else:
+            tensors = _tensors_of(batch)
+            bad = [f"a tensor of shape {tuple(tensors[s.index].shape) if s.index < len(tensors) else '?'}"
+                   for s in (*call.inputs, call.target) if not s.fits(tensors, count)]
+        if bad:
+            what = "the batch" if call is None else "the model's input or the loss's target"
+            raise UserLoopError(f"{what} holds {bad[0]} for a batch of {count} records, so the DP pass cannot "
+                                f"give each record's loss that record alone: {BY_ROWS_HINT}", structural=True)
 
 
 def dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, *, capture: bool,
             loss_fn: LossFn | None = None) -> Plan:
-    """The train function on a copy of the model and two synthetic records: every rule of
+    """The train function on a copy of the model and a few synthetic records: every rule of
     the DP pass is checked here (a refusal is structural: it cannot depend on the owner's
     data), and the loss, optimizer, modes and device it used become the plan. The
     parameters with ``requires_grad`` are the ones made private. With ``loss_fn`` the
@@ -122,8 +176,9 @@ def dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, *, capture
         raise UserLoopError("no trainable parameter to train privately")
     dry_model = copy.deepcopy(model)
     dataset = _SyntheticSet(loader.dataset, len(loader.dataset))  # type: ignore[arg-type]
-    sampler = _BothRecords(torch.tensor([0, 1]), 2, 1.0, 1, torch.Generator().manual_seed(0), False, 1)
-    dry_loader = PoissonLoader(dataset, sampler, loader.collate_fn)
+    if loss_fn is not None:
+        _check_by_rows(dataset, loader, None)
+    dry_loader = PoissonLoader(dataset, _all_records(dataset.count), loader.collate_fn)
     dry = (_LossFnDry if loss_fn is not None else _DPPass)(dry_model, dry_loader, 1.0, None,
                                                             torch.Generator().manual_seed(0), capture=True)
     dry.dry = True
@@ -146,8 +201,9 @@ def dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, *, capture
         if dry.modes is None:  # loss_fn without a step (central noise): the model as it came
             dry.modes = {name: m.training for name, m in model.named_modules()}
             dry.device = next(iter(dry.params)).device
-        if loss_fn is not None:
-            _check_loss_fn(model, dataset, loader, loss_fn, dry.modes)
+        if loss_fn is None:
+            _check_by_rows(dataset, loader, dry.last_loss)
+        _check_gradients(model, dataset, loader, loss_fn, dry.last_loss, dry.modes)
         _check_buffers_constant(model, dataset, loader, dry.last_loss, loss_fn, dry.modes)
     finally:
         for h in handles:
@@ -165,24 +221,32 @@ def dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, *, capture
     return Plan(dry.last_loss, optimizer, dict(dry.modes), dry.device, loss_fn)
 
 
-def _check_loss_fn(model: nn.Module, dataset: _SyntheticSet, loader: DataLoader, loss_fn: LossFn,
-                   modes: dict[str, bool]) -> None:
-    """Each synthetic record's gradient of ``loss_fn`` on that record alone, on a fresh copy
-    of the model in the plan's modes, as the release pass computes it (``vmap`` or
-    micro-batches): a ``loss_fn`` that fails, or returns no scalar, is refused here."""
+def _check_gradients(model: nn.Module, dataset: _SyntheticSet, loader: DataLoader, loss_fn: LossFn | None,
+                     call: _LossCall | None, modes: dict[str, bool]) -> None:
+    """Each synthetic record's gradient of the planned loss (``loss_fn``, else the torch
+    loss call) on that record alone, on a fresh copy of the model in the plan's modes, as
+    the release pass computes it (``vmap`` or micro-batches): a model or ``loss_fn`` that
+    cannot compute a record's gradient on a batch of one, or a ``loss_fn`` that returns no
+    scalar, is refused here, whatever the data (on the owner's data such a record's
+    gradient would be zero)."""
     import copy
 
-    from torch.utils.data import default_collate
-
+    if call is None and loss_fn is None:
+        return
     check = copy.deepcopy(model)
     for name, m in check.named_modules():
         m.training = modes.get(name, m.training)
-    batch = (loader.collate_fn or default_collate)([dataset[0], dataset[1]])
-    sampler = _BothRecords(torch.tensor([0, 1]), 2, 1.0, 1, torch.Generator().manual_seed(0), False, 1)
-    probe = _DPPass(check, PoissonLoader(dataset, sampler, loader.collate_fn), 1.0, None,
+    batch, n = dataset.batch(loader.collate_fn), dataset.count
+    probe = _DPPass(check, PoissonLoader(dataset, _all_records(n), loader.collate_fn), 1.0, None,
                     torch.Generator().manual_seed(0), capture=True)
     try:
-        probe._loss_fn_gradients(batch, 2, loss_fn)  # noqa: SLF001
+        if loss_fn is not None:
+            probe._loss_fn_gradients(batch, n, loss_fn)  # noqa: SLF001
+        else:
+            tensors = _tensors_of(batch)
+            with torch.no_grad():
+                fwd = probe._pending(check, tuple(s.of(tensors, n) for s in call.inputs), call.inputs, n, 0)._fwd  # noqa: SLF001
+            probe._gradients(fwd, call.target.of(tensors, n), call)  # noqa: SLF001
     finally:
         probe.close()
 
@@ -194,24 +258,20 @@ def _check_buffers_constant(model: nn.Module, dataset: _SyntheticSet, loader: Da
     release without noise, and is refused; constant buffers (position ids) are fine."""
     import copy
 
-    from torch.utils.data import default_collate
-
-    from .batches import _tensors_of
-
     check = copy.deepcopy(model)
     if not any(True for _ in check.buffers()):
         return
     for name, m in check.named_modules():
         m.training = modes.get(name, m.training)
     before = {n: b.detach().clone() for n, b in check.named_buffers()}
-    batch = (loader.collate_fn or default_collate)([dataset[0], dataset[1]])
+    batch = dataset.batch(loader.collate_fn)
     try:
         with torch.no_grad():
             if loss_fn is not None:
                 loss_fn(check, batch)
             elif call is not None:
                 tensors = _tensors_of(batch)
-                check(*(s.of(tensors, 2) for s in call.inputs))
+                check(*(s.of(tensors, dataset.count) for s in call.inputs))
     except Exception as err:  # noqa: BLE001 - the user's model; its message stays in the node's log
         log(WARNING, "The model raised on synthetic records: %s: %s", type(err).__name__, err)
         raise UserLoopError(f"the model raised {type(err).__name__} on synthetic records shaped as yours (its "

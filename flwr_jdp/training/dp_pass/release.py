@@ -10,7 +10,7 @@ from flwr.common import log
 from torch import nn
 
 from ...privacy.mechanisms import GaussianSumMechanism
-from .batches import PoissonLoader
+from .batches import PoissonLoader, _rows_are_records, _tensors_of
 from .capture import _discarding_closure, _DPPass
 from .capture_types import PendingOutput, _Forward, _pending
 from .common import _equal, _same_setting, _settings, new_optimizer
@@ -33,6 +33,7 @@ class _ReleasePass(_DPPass):
         for name, m in private.named_modules():
             m.training = plan.modes.get(name, m.training)
         super().__init__(private, loader, clipping_norm, mechanism, generator, capture)
+        self.strict = False  # after the dry run nothing a record does is refused (its gradient is zero)
         self.user_model = self.shown_model = user_model
         self.user_params = {n: p for n, p in user_model.named_parameters()}
         self.shown = {n: p.detach().clone() for n, p in self.user_params.items()}  # what the user's model showed
@@ -100,12 +101,36 @@ class _ReleasePass(_DPPass):
 
     # ---------------------------------------------------------------- steps
     def _grads(self, draw: int) -> None:
-        """Each record's gradient on batch ``draw``, with the plan's loss, on the pass's model."""
+        """Each record's gradient on batch ``draw``, with the plan's loss, on the pass's model.
+
+        The batch is split by rows only where each record's rows are exactly its batch of
+        one (:func:`~.batches._rows_are_records`: the tensors ``loss_fn`` gets, else the
+        model's input and the loss's target). Elsewhere each record's gradient comes from
+        a batch collated from that record alone (:meth:`_collated_alone`): never refused,
+        never mixed. That happens for a layout the dry run could not see: it collated
+        synthetic records at two batch sizes that no dimension of a record equals and
+        refused a batch without the records along dim 0 (time first, a constant in the
+        batch), whatever the data, so only a ``collate_fn`` whose layout depends on the
+        data, or one whose rows depend on the other records (padding to the batch's
+        longest record), reaches this fallback. Zeroing such a batch instead would not do:
+        whether a batch is zeroed could then depend on one record, and its whole sum with it."""
         call = self.plan.call
-        sample, tensors, batch = self.unstepped[draw]
+        sample, tensors, batch, items = self.unstepped[draw]
         n = len(sample.records)
-        if self.plan.loss_fn is not None:
-            self._loss_fn_gradients(batch, n, self.plan.loss_fn)
+        loss_fn = self.plan.loss_fn
+        leaves = None if loss_fn is not None else sorted({s.index for s in (*call.inputs, call.target)})
+        if not _rows_are_records(batch, items, self.loader.user_collate, leaves) or \
+                (loss_fn is None and not all(s.fits(tensors, n) for s in (*call.inputs, call.target))):
+            self.note("layout", "a batch's rows were not each record's own batch (a collate_fn whose layout "
+                                "depends on the data, or padding to the batch's longest record?); its records' "
+                                "gradients were computed each on a batch of that record alone")
+            self._collated_alone(items, lambda b: loss_fn(self.model, b) if loss_fn is not None
+                                 else self._planned_loss(b))
+            self.last_outputs = None
+            self.ready_draw = draw
+            return
+        if loss_fn is not None:
+            self._loss_fn_gradients(batch, n, loss_fn)
             self.ready_draw = draw
             return
         inputs = tuple(s.of(tensors, n) for s in call.inputs)
@@ -113,6 +138,15 @@ class _ReleasePass(_DPPass):
             fwd = self._pending(self.model, inputs, call.inputs, n, draw)._fwd
         self._gradients(fwd, call.target.of(tensors, n), call)
         self.last_outputs = fwd.values
+
+    def _planned_loss(self, batch: object) -> torch.Tensor:
+        """The plan's torch loss on a batch of one record (its model input and target)."""
+        call = self.plan.call
+        tensors = _tensors_of(batch)
+        if not all(s.fits(tensors, 1) for s in (*call.inputs, call.target)):
+            raise ValueError("a record's batch does not have the plan's layout")
+        out = self.model(*(s.of(tensors, 1) for s in call.inputs))
+        return call.one()(out, call.target.of(tensors, 1))
 
     def _advance(self, upto: int) -> None:
         """The DP steps due: every drawn batch up to ``upto`` not yet stepped on, in order."""

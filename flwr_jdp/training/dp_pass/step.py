@@ -60,10 +60,10 @@ class _DPStep:
         self.last_loss: _LossCall | None = None
         self.ready_draw = 0  # the draw whose per-record gradients are in grad_sample
         #: drawn batches not yet stepped on, by draw number: DP step k uses draw k, always
-        #: (the sample, its tensors, the batch's structure holding them: the pass's own copy)
-        self.unstepped: dict[int, tuple[UnitBatch, list[torch.Tensor], object]] = {}
-        self.sampler.on_batch = lambda d, sample, tensors, batch: self.unstepped.__setitem__(d, (sample, tensors,
-                                                                                                   batch))
+        #: (the sample, its tensors, the batch's structure holding them: the pass's own copy;
+        #: the records' items as the data set gave them)
+        self.unstepped: dict[int, tuple[UnitBatch, list[torch.Tensor], object, list]] = {}
+        self.sampler.on_batch = lambda d, *drawn: self.unstepped.__setitem__(d, drawn)
         self.steps_taken = 0
         self.steps_completed = 0  # taken by the pass after the train function returned
         self.captured: list[torch.Tensor] | None = None
@@ -74,6 +74,9 @@ class _DPStep:
         #: the model's kind and parameter shapes (what the cached shapes and layer roles hold for)
         self.kind = (per_sample.model_kind(model), tuple((n, tuple(p.shape)) for n, p in self.named.items()))
         self.dry = False  # the dry run: rules checked, no gradient computed
+        #: a record whose gradient cannot be computed refuses the code: the dry run's checks and
+        #: a pass without a dry run; the release pass after a dry run zeroes that record instead
+        self.strict = True
         self.shown_model = model  # the model whose output the user's code reads
         self.modes: dict[str, bool] | None = None
         self.device = torch.device("cpu")
@@ -112,7 +115,7 @@ class _DPStep:
 
     def _dp_step(self, draw: int) -> None:
         """Clip, sum, noise; apply with the DP pass's optimizer on the trajectory."""
-        sample, _, _ = self.unstepped.pop(draw)
+        sample = self.unstepped.pop(draw)[0]
         n = len(sample.records)
         if any(not isinstance(getattr(p, "grad_sample", None), torch.Tensor | per_sample.OuterProducts)
                or len(p.grad_sample) != n for p in self.params):
