@@ -44,7 +44,7 @@ from flwr_jdp.joint_dp.owner_guard import (
     owner_policy,
 )
 from flwr_jdp.joint_dp.schedule import OwnerSize
-from flwr_jdp.privacy.guard import LedgerStore, charge
+from flwr_jdp.privacy.guard import LedgerId, LedgerStore, charge
 from flwr_jdp.privacy.mechanisms import torch_generator
 from flwr_jdp.privacy.units import NoisePlacement
 
@@ -135,10 +135,10 @@ def trained_rounds(context: Context, owner_id: int, session: str = "") -> int:
 OWNER_LEDGERS = LedgerStore(party="owner", state_key="ledger")
 
 
-def load_owner_ledger(context: Context, owner_id: int, agreed: AgreedRelease, unit: str) -> OwnerLedger:
-    """The owner's own record of its releases (without a node policy): the node's
-    ``state-dir`` (after a restart, whatever session the server names), else
-    ``context.state`` (this Flower run), else empty."""
+def load_owner_ledger(context: Context, owner_id: LedgerId, agreed: AgreedRelease, unit: str) -> OwnerLedger:
+    """The owner's own record of its releases (``owner_id``; :data:`~flwr_jdp.privacy.guard.NODE_LEDGER`:
+    the node's, under its policy): the node's ``state-dir`` (after a restart, whatever
+    session the server names), else ``context.state`` (this Flower run), else empty."""
     return OWNER_LEDGERS.load(context, owner_id, agreed, unit)
 
 

@@ -254,11 +254,20 @@ class LedgerStore:
     state_key: str
 
     def path(self, context: Context, ledger_id: LedgerId) -> Path | None:
-        """The ledger's file on the node's disk (None without a ``state-dir``)."""
+        """The ledger's file on the node's disk (None without a ``state-dir``).
+        Refused (:class:`InstructionRefused`) if the ``state-dir`` holds it in the old
+        layout, before anything is written there."""
         root = context.node_config.get("state-dir")
         if not root:
             return None
-        return Path(str(root)) / f"{self.party}s" / f"ledger-{_name(ledger_id)}.json"
+        path = Path(str(root)) / f"{self.party}s" / f"ledger-{_name(ledger_id)}.json"
+        old = sorted(path.parent.parent.glob(f"{self.party}s-*/{path.name}"))
+        if old:
+            raise InstructionRefused(
+                f"{self.label(ledger_id)} is in the old layout at {old[0]}: move it to {path} if it counts in this "
+                "node's policy's unit and relation; otherwise its releases cannot be charged in the policy's terms "
+                "(point state-dir elsewhere only to start a new budget knowingly)")
+        return path
 
     def label(self, ledger_id: LedgerId) -> str:
         return f"this node's {self.party}s' ledger" if ledger_id == NODE_LEDGER else f"{self.party} {ledger_id}'s ledger"
@@ -286,43 +295,39 @@ class LedgerStore:
         run), else empty. The node's ledger (:data:`NODE_LEDGER`) carries the releases of
         the per-party ledgers beside it. Refused (:class:`InstructionRefused`) if a
         ledger counts in other terms than ``agreed``'s (unit, relation, delta), or if the
-        ``state-dir`` holds it in the old layout. A caller that charges holds
-        :meth:`locked`."""
+        ``state-dir`` holds it in the old layout (:meth:`path`). A caller that charges
+        holds :meth:`locked`."""
         path = self.path(context, ledger_id)
         carried: list[dpa.DpEvent] = []
         if path is None:
             record = context.state.get(f"{self.state_key}.{_name(ledger_id)}")
             text, where = (str(record["state"]) if record is not None else None), "this run's ledger"
         else:
-            old = sorted(path.parent.parent.glob(f"{self.party}s-*/{path.name}"))
-            if old:
-                raise InstructionRefused(
-                    f"{self.label(ledger_id)} is in the old layout at {old[0]}: move it to {path} if it counts in "
-                    f"this node's policy's unit and relation ({unit}, {agreed.neighbouring}); otherwise its "
-                    "releases cannot be charged in the policy's terms (point state-dir elsewhere only to start a "
-                    "new budget knowingly)")
             text, where = (path.read_text() if path.is_file() else None), str(path)
             if ledger_id == NODE_LEDGER:
                 for other in sorted(path.parent.glob("ledger-*.json")):
-                    if other.stem.removeprefix("ledger-").isdigit():
-                        state = self._checked(json.loads(other.read_text()), str(other), agreed, unit)
+                    pid = other.stem.removeprefix("ledger-")
+                    if pid.isdigit():
+                        state = self._checked(json.loads(other.read_text()), f"{self.label(int(pid))} ({other})",
+                                              agreed, unit)
                         mine = PartyLedger(math.inf, agreed.delta, agreed.accountant, unit, state,
                                            agreed.neighbouring)
                         carried.append(mine.ledger.scope_event(SELF_SCOPE))
-        state = self._checked(json.loads(text), where, agreed, unit) if text else None
+        state = self._checked(json.loads(text), f"{self.label(ledger_id)} ({where})", agreed, unit) if text else None
         party = "node" if ledger_id == NODE_LEDGER else agreed.party
         return PartyLedger(agreed.budget, agreed.delta, agreed.accountant, unit, state, agreed.neighbouring,
                            party, carried)
 
-    def _checked(self, state: dict[str, Any], where: str, agreed: AgreedRelease, unit: str) -> dict[str, Any]:
-        """``state`` if it counts in ``agreed``'s terms, else :class:`InstructionRefused`."""
+    @staticmethod
+    def _checked(state: dict[str, Any], which: str, agreed: AgreedRelease, unit: str) -> dict[str, Any]:
+        """``state`` (of the ledger ``which``) if it counts in ``agreed``'s terms, else
+        :class:`InstructionRefused`."""
         terms = {"unit": str(unit), "neighbouring": agreed.neighbouring, "delta": float(agreed.delta)}
         recorded = {"neighbouring": "add-remove", **{k: state[k] for k in terms if k in state}}
         wrong = [f"{k}={recorded.get(k)!r} (policy: {v!r})" for k, v in terms.items() if recorded.get(k) != v]
         if wrong:
-            raise InstructionRefused(f"the {self.party} ledger {where} counts in other terms than this node's "
-                                     f"policy: {', '.join(wrong)}; its releases cannot be charged in the "
-                                     "policy's terms")
+            raise InstructionRefused(f"{which} counts in other terms than this node's policy: {', '.join(wrong)}; "
+                                     "its releases cannot be charged in the policy's terms")
         return state
 
     def save(self, context: Context, ledger_id: LedgerId, ledger: PartyLedger) -> None:
