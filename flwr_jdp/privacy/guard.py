@@ -387,8 +387,8 @@ def charge(context: Context, store: LedgerStore, requests: Mapping[int, tuple[Ag
         if reasons:
             raise InstructionRefused("; ".join(reasons))
         for lid, (ledger, event, server_round) in charges.items():
-            who = f" ({store.party}s {groups[lid]})" if lid == NODE_LEDGER else ""
-            ledger.record(server_round, event, note=f"{note}{who}")
+            who = f"({store.party}s {groups[lid]})" if lid == NODE_LEDGER else ""
+            ledger.record(server_round, event, note=" ".join(p for p in (note, who) if p))
             store.save(context, lid, ledger)
 
 
