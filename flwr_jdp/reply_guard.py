@@ -11,7 +11,10 @@ handlers return, a reply leaves the node with only:
   (:meth:`ReplyGuard.train_rules`: e.g. per owner an ArrayRecord with exactly the
   shared parameter names and shapes of the broadcast, none a personal one, and a
   MetricRecord with ``num-examples`` only);
-- evaluate: MetricRecords of numbers (no ArrayRecord, no ConfigRecord, no list);
+- evaluate: MetricRecords of numbers (no ArrayRecord, no ConfigRecord, no list); a
+  client half's ``admit`` (:class:`~flwr_jdp.joint_dp.client.JointDPClient`: the
+  node's policy) answers an evaluate message of a run it refuses with an error reply,
+  before the app's handler runs;
 - set-up (query): the set-up record with the set-up fields only;
 - a SecAgg+ stage (train messages carrying Flower's ``secaggplus_configs``):
   Flower's records as its mod and :func:`~flwr_jdp.joint_dp.distributed.secure_sum_mod`
@@ -40,10 +43,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging import WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.client.mod.utils import make_ffn
 from flwr.clientapp import ClientApp
 from flwr.common import log
+from flwr.common.constant import ErrorCode
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 
@@ -59,6 +63,8 @@ class Allowed:
 
 Rules = dict[str, Allowed]
 RuleFn = Callable[[Message, Context], Rules]
+#: ``(message, context) -> why the run is refused, or None``.
+AdmitFn = Callable[[Message, Context], str | None]
 
 _ANY_CONFIG = Allowed(ConfigRecord)
 
@@ -130,12 +136,16 @@ class ReplyGuard:
         What a set-up (query) reply may carry.
     name : str
         How the log line names the client half.
+    admit : callable, optional
+        ``(message, context) -> reason or None``: why the run of an evaluate message is
+        refused (the reason is the error reply; the handler does not run).
     """
 
-    def __init__(self, train_rules: RuleFn, setup_rules: Rules, name: str) -> None:
+    def __init__(self, train_rules: RuleFn, setup_rules: Rules, name: str, admit: AdmitFn | None = None) -> None:
         self.train_rules = train_rules
         self.setup_rules = setup_rules
         self.name = name
+        self.admit = admit
         self.__name__ = f"reply_guard({name})"
 
     def rules(self, msg: Message, context: Context) -> Rules | None:
@@ -169,6 +179,10 @@ class ReplyGuard:
         return reply
 
     def __call__(self, msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+        if self.admit is not None and msg.metadata.message_type.split(".")[0] == MessageType.EVALUATE:
+            reason = self.admit(msg, context)
+            if reason:
+                return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
         reply = call_next(msg, context)
         return reply if reply.has_error() else self._filtered(msg, reply, self.rules(msg, context))
 
@@ -202,4 +216,4 @@ def install(app: ClientApp, guard: ReplyGuard, *inner: Callable) -> None:
         registered[name] = make_ffn(fn, [guard])
 
 
-__all__ = ["SECAGG_RULES", "Allowed", "ReplyGuard", "Rules", "filter_content", "install"]
+__all__ = ["SECAGG_RULES", "AdmitFn", "Allowed", "ReplyGuard", "Rules", "filter_content", "install"]

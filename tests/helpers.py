@@ -30,6 +30,14 @@ def own_app_owner(run_config: dict, owner: int, num_partitions: int):
     return ctx, cfg, initial_arrays(cfg), split_parameters(initial_model(cfg), cfg.effective_personal_rule)
 
 
+def own_state_dirs(node_config: dict, nodes: int) -> dict[int, dict] | None:
+    """Each in-process node its own ``state-dir`` (``<state-dir>/<partition-id>``), as each
+    SuperNode has its own disk (InProcessGrid's ``node_configs``): under a policy a
+    node's owners share one ledger there."""
+    root = node_config.get("state-dir")
+    return {i: {"state-dir": f"{root}/{i}"} for i in range(nodes)} if root else None
+
+
 def run_inprocess(run_config: dict, num_nodes: int = 2, fault=None, node_config=None):
     """Return (strategy, grid, result) after a full run."""
     cfg = parse_config(run_config)

@@ -37,6 +37,7 @@ from flwr_jdp.joint_dp.owner_store import (
 )
 from flwr_jdp.joint_dp.schedule import OwnerSize
 from flwr_jdp.params import get_arrays, split_parameters
+from flwr_jdp.privacy.guard import NODE_LEDGER
 from flwr_jdp.training.user_loop import UserLoopError
 
 
@@ -215,7 +216,7 @@ def test_each_owner_checks_and_charges_its_own_ledger_before_training(tmp_path):
         assert [r["round"] for r in on_disk["rounds"]] == [1, 2]
 
 
-def test_an_owner_stops_at_its_budget_and_a_node_cap_lowers_it():
+def test_an_owner_stops_at_its_budget_and_a_node_cap_lowers_it(tmp_path):
     cfg = _local_cfg(**{"num-rounds": 100, "target-epsilon": 2.0, "noise-multiplier": 2.0})
     sizes = {0: OwnerSize(100, 100)}
     step = {0: Instruction(1, 0.1, 10, 2.0)}
@@ -228,11 +229,12 @@ def test_an_owner_stops_at_its_budget_and_a_node_cap_lowers_it():
     assert charged >= 1
     ledger = load_owner_ledger(ctx, 0, agreed_release(cfg, sizes[0]), "record")
     assert ledger.releases == charged and ledger.epsilon() <= 2.0
-    capped = _ctx({"max-epsilon": 0.5})
-    with pytest.raises(InstructionRefused, match="budget 0.5"):
+    capped = _ctx({"max-epsilon": 1.0, "state-dir": str(tmp_path)})  # a policy: the node's one ledger
+    with pytest.raises(InstructionRefused, match="node's budget 1 "):
         for rnd in range(1, charged + 1):
             charge_owners(cfg, capped, sizes, {0: dataclasses.replace(step[0], server_round=rnd)}, "s")
-    assert load_owner_ledger(capped, 0, agreed_release(cfg, sizes[0], 0.5), "record").releases < charged
+    node = load_owner_ledger(capped, NODE_LEDGER, agreed_release(cfg, sizes[0], 1.0), "record")
+    assert 1 <= node.releases < charged and node.epsilon() <= 1.0 * (1 + 1e-9)
 
 
 def test_a_new_session_named_by_the_server_does_not_reset_the_owners_ledger(tmp_path):

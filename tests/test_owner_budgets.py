@@ -68,11 +68,13 @@ def _train_replies(grid):
 
 
 def _owner_ledger_files(tmp_path, nodes=2):
-    """Each owner's own ledger, as its node keeps it on its state-dir."""
+    """Each owner's own ledger, as its node keeps it on its state-dir (under a policy the
+    node's one ledger, ``ledger-node.json``: here only where node ``i`` hosts owner ``i`` alone)."""
     out = {}
     for i in range(nodes):
         for path in (tmp_path / f"node-{i}" / "owners").glob("ledger-*.json"):
-            out[int(path.stem.split("-")[1])] = json.loads(path.read_text())
+            name = path.stem.split("-")[1]
+            out[i if name == "node" else int(name)] = json.loads(path.read_text())
     return out
 
 
@@ -110,18 +112,20 @@ def _noise_multipliers(history: list) -> set[float]:
 
 # -------------------------------------------------- the plan, end to end
 def test_a_capped_owner_is_planned_for_and_each_owner_reaches_its_own_budget(tmp_path, caplog):
-    """Node 1 (owners 1, 3) caps its owners at epsilon 1 below the run's target 8;
-    node 0 (owners 0, 2) sets a cap above the target, which changes nothing. Nobody
+    """Nodes 1 and 3 (one owner each: under a policy a node's owners share its ledger)
+    cap their owners at epsilon 1 below the run's target 8; nodes 0 and 2 set a cap
+    above the target, which changes nothing. Nobody
     refuses; each owner's scope (server ledger and the owner's own ledger on its
     state-dir) records its own multiplier, the capped owners end within and close to
     their cap, the others at the target; an independent PLD accountant agrees;
     results.json and one set-up line say which owners ran at which epsilon."""
     caplog.set_level(logging.INFO, logger="flwr")
     rc = _config(tmp_path)
-    strategy, grid = _run(rc, {0: {"max-epsilon": 20.0}, 1: {"max-epsilon": CAP}}, tmp_path)
+    strategy, grid = _run(rc, {0: {"max-epsilon": 20.0}, 1: {"max-epsilon": CAP}, 2: {"max-epsilon": 20.0},
+                               3: {"max-epsilon": CAP}}, tmp_path, nodes=4)
 
     replies = _train_replies(grid)
-    assert len(replies) == 4 and not any(r.has_error() for r in replies)  # 2 nodes x 2 rounds
+    assert len(replies) == 8 and not any(r.has_error() for r in replies)  # 4 nodes x 2 rounds
     results = load_results(rc["results-dir"])
     assert [row["valid_owners"] for row in results["history"]] == [4, 4]
     assert strategy.owner_caps == {0: 20.0, 1: CAP, 2: 20.0, 3: CAP}
@@ -131,7 +135,7 @@ def test_a_capped_owner_is_planned_for_and_each_owner_reaches_its_own_budget(tmp
     capped_z = strategy.noise_of(1)
     assert strategy.noise_of(3) == capped_z > run_z and strategy.noise_of(0) == strategy.noise_of(2) == run_z
 
-    own = _owner_ledger_files(tmp_path)
+    own = _owner_ledger_files(tmp_path, nodes=4)
     assert sorted(own) == [0, 1, 2, 3]
     spent = {}
     for o in range(4):
@@ -196,17 +200,18 @@ def test_a_fixed_noise_multiplier_that_breaks_a_cap_fails_at_start_up(tmp_path):
     it would take over its node's cap fails the start-up, naming the owners, their node
     and the keys, before anything is released; one it keeps within the cap is used."""
     rc = _config(tmp_path, **{"noise-multiplier": 1.0})
+    caps = {1: {"max-epsilon": CAP}, 3: {"max-epsilon": CAP}}  # one owner per node: its cap is its own
     with pytest.raises(ConfigError) as err:
-        _run(rc, {1: {"max-epsilon": CAP}}, tmp_path)
+        _run(rc, caps, tmp_path, nodes=4)
     message = str(err.value)
-    for part in ("owners [1, 3]", "nodes [1001]", "node config 'max-epsilon'", "'noise-multiplier'=1",
+    for part in ("owners [1, 3]", "nodes [1001, 1003]", "node config 'max-epsilon'", "'noise-multiplier'=1",
                  "'num-rounds'=2", "raise it to at least"):
         assert part in message, message
-    assert _owner_ledger_files(tmp_path) == {}
+    assert _owner_ledger_files(tmp_path, nodes=4) == {}
 
     z = float(message.split("at least ")[1].split(",")[0]) * 1.01
     rc = _config(tmp_path / "met", **{"noise-multiplier": z})
-    strategy, grid = _run(rc, {1: {"max-epsilon": CAP}}, tmp_path / "met")
+    strategy, grid = _run(rc, caps, tmp_path / "met", nodes=4)
     assert not any(r.has_error() for r in _train_replies(grid))
     assert strategy.noise_of(1) == strategy.noise_of(0) == z
     spent = [strategy.ledger.scope_epsilon(f"owner/{o}") for o in (1, 3)]

@@ -16,6 +16,7 @@ from flwr_jdp.joint_dp.owner_guard import Instruction, agreed_release
 from flwr_jdp.joint_dp.schedule import OwnerSize
 from flwr_jdp.privacy.units import PrivacyUnit
 from flwr_jdp.strategies import JointDP, load_results
+from tests.helpers import own_state_dirs
 
 
 class TamperingJointDP(JointDP):
@@ -37,7 +38,8 @@ class TamperingJointDP(JointDP):
 def _run(run_config, tamper, server_rounds=None, honest_budget=True, node_config=None):
     """The owners run with ``run_config``; the server may plan ``server_rounds``."""
     cfg = parse_config(dict(run_config, **({"num-rounds": server_rounds} if server_rounds else {})))
-    grid = InProcessGrid(client_app, 2, run_config, node_config=node_config)
+    grid = InProcessGrid(client_app, 2, run_config, node_config=node_config,
+                         node_configs=own_state_dirs(node_config or {}, 2))
     strategy = TamperingJointDP(cfg, tamper, honest_budget)
     strategy.start(grid=grid, initial_arrays=initial_arrays(parse_config(run_config)))
     return strategy, grid
@@ -136,13 +138,14 @@ def test_owners_stop_at_their_budget_when_the_server_asks_for_more(run_config, t
         assert len(state["rounds"]) == 2 and state["epsilon"] <= two_rounds * (1 + 1e-6)
 
 
-def test_a_node_cap_below_the_run_target_refuses_a_server_that_ignores_it(run_config, monkeypatch):
+def test_a_node_cap_below_the_run_target_refuses_a_server_that_ignores_it(run_config, monkeypatch, tmp_path):
     """Node config ``max-epsilon`` caps the owner's budget below the run's target. The
     honest server plans for the cap it is told at set-up (``tests/test_owner_budgets.py``);
     a server that ignores it and sends the run's multiplier is refused."""
     monkeypatch.setattr(JointDP, "_plan_owner_budgets", lambda self: None)
     run_config.update({"noise-multiplier": 0.0, "target-epsilon": 8.0})
-    _, grid = _run(run_config, lambda *_: None, node_config={"max-epsilon": 1.0, "seeded-noise": True})
+    node = {"max-epsilon": 1.0, "seeded-noise": True, "state-dir": str(tmp_path / "node")}
+    _, grid = _run(run_config, lambda *_: None, node_config=node)
     replies = _train_replies(grid)
     assert replies and all(r.has_error() and "owner's budget 1" in r.error.reason for r in replies)
 

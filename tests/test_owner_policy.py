@@ -8,7 +8,7 @@ anything is released or kept within the ledger's bound.
   0.4 are refused at set-up and at train, and the owner's ledger at the policy's δ
   never exceeds 1.
 - The ledger split by unit and relation: runs with another relation or unit are
-  refused; the ledger is one file.
+  refused; the ledger is one file per node.
 - The budget from the run: a larger ``target-epsilon`` does not raise the cap.
 - Distributed share sizes from the run: more owners, fewer colluders or less dropout
   than the policy's ``honest-owners`` floor do not shrink the noise an owner adds
@@ -41,6 +41,7 @@ from flwr_jdp.privacy.policy import DEFAULT_PLACEMENTS, OwnerPolicy
 from flwr_jdp.strategies import JointDP
 from flwr_jdp.subject.config import parse_subject_config
 from flwr_jdp.subject.silo_guard import cap_agreement
+from tests.helpers import own_state_dirs
 from tests.test_distributed_noise import Spy, _initial, _rc, user_app
 from tests.test_silo_guard import RC as SILO_RC
 from tests.test_silo_guard import _honest, _ledgers, _refused, _send, silos  # noqa: F401 - silos: a fixture
@@ -58,7 +59,8 @@ def _grid(rc: dict, nodes: int, node_config: dict, fault=None) -> tuple[JointDP,
     """A fresh run (its own results-dir) of ``nodes`` owners, one per node."""
     results = rc.get("jdp.results-dir") or f"{node_config.get('state-dir', '/nonexistent')}-results-{id(rc)}"
     rc = {**rc, "jdp.results-dir": results}
-    grid = InProcessGrid(user_app(), nodes, rc, node_config=node_config, fault=fault, errors_as_replies=True)
+    grid = InProcessGrid(user_app(), nodes, rc, node_config=node_config, fault=fault, errors_as_replies=True,
+                         node_configs=own_state_dirs(node_config, nodes))
     return JointDP.from_run_config(rc, node_settle_s=0.0), grid
 
 
@@ -108,8 +110,8 @@ def test_runs_at_another_delta_are_refused_and_the_ledger_stays_within_the_cap(t
     node = _node(tmp_path, **{"max-epsilon": CAP})
     strategy, _ = _start(_local(**{"target-epsilon": 8.0}), 3, node)
     assert strategy.status == "completed" and set(strategy.owner_caps.values()) == {CAP}
-    files = sorted((tmp_path / "node" / "owners").glob("ledger-*.json"))
-    assert [p.name for p in files] == ["ledger-0.json", "ledger-1.json", "ledger-2.json"]
+    files = sorted((tmp_path / "node").glob("*/owners/ledger-*.json"))
+    assert [str(p.relative_to(tmp_path)) for p in files] == [f"node/{i}/owners/ledger-node.json" for i in range(3)]
     spent = [_ledger_epsilon(p) for p in files]
     assert all(0.9 * CAP < e <= CAP * (1 + 1e-9) for e in spent), spent
     before = _ledger_files(tmp_path)
@@ -154,7 +156,7 @@ def test_runs_in_another_unit_or_relation_are_refused_and_the_ledger_is_one_file
     node = _node(tmp_path, **{"max-epsilon": 8.0})
     _start(_local(**{"num-rounds": 1}), 3, node)
     before = _ledger_files(tmp_path)
-    assert sorted(before) == [f"node/owners/ledger-{o}.json" for o in range(3)]
+    assert sorted(before) == [f"node/{i}/owners/ledger-node.json" for i in range(3)]
     with pytest.raises(RuntimeError, match=rf"refused: run-config key '{key}'=.*counts its ledger in '{policy_value}'"):
         _start(_local(**over), 3, node)
     assert _ledger_files(tmp_path) == before
@@ -191,7 +193,7 @@ def test_a_larger_target_epsilon_does_not_raise_the_policys_budget(tmp_path):
     replies = _train_replies(grid)
     assert replies and all(r.has_error() and "is too small" in r.error.reason and "budget 1 at delta 1e-05"
                            in r.error.reason for r in replies)
-    assert not (tmp_path / "node" / "owners").exists()
+    assert not _ledger_files(tmp_path)
 
 
 # ------------------------------------------------------------------ attack 5: distributed share sizes
@@ -201,7 +203,7 @@ def _shares(monkeypatch, tmp_path, nodes: int, honest: int, **run: object) -> tu
     spy = Spy(monkeypatch)
     rc = _rc(nodes, **{"results-dir": str(tmp_path / "results"), "noise-multiplier": 0.5, "target-epsilon": 1e6,
                        "num-rounds": 2, **run})
-    _start(rc, nodes, {"max-epsilon": 1e6, "honest-owners": honest, "seeded-noise": True})
+    _start(rc, nodes, _node(tmp_path, **{"max-epsilon": 1e6, "honest-owners": honest}))
     variances = [float(np.var(np.concatenate([a.ravel() for a in v["noise"]]))) for v in spy.vectors]
     assert len(variances) == 2 * nodes
     return variances, spy.vectors[0]["plan"].mu
@@ -241,8 +243,8 @@ def test_central_noise_is_refused_unless_the_policy_names_it(tmp_path):
                    "results-dir": str(tmp_path / "results")})
     with pytest.raises(RuntimeError, match=r"refused: run-config key 'jdp.noise-placement'='central', this node's "
                                            r"policy \(node config\) allows \['local', 'distributed'\]"):
-        _start(rc, 3, {"max-epsilon": 8.0, "seeded-noise": True})
-    strategy, _ = _start(rc, 3, {"max-epsilon": 8.0, "noise-placements": "local,central", "seeded-noise": True})
+        _start(rc, 3, _node(tmp_path, **{"max-epsilon": 8.0}))
+    strategy, _ = _start(rc, 3, _node(tmp_path, **{"max-epsilon": 8.0, "noise-placements": "local,central"}))
     assert strategy.status == "completed"
 
 
@@ -307,7 +309,8 @@ def test_on_a_real_supernode_without_a_policy_the_owner_refuses_unless_opted_in(
     reply = _on_supernode(monkeypatch, tmp_path, user_app(), *_query({}))
     assert reply.has_error() and "refused: this SuperNode names no policy" in reply.error.reason
     assert "policy=\"trust-run\"" in reply.error.reason and "max-epsilon" in reply.error.reason
-    for node_config in ({"policy": "trust-run"}, {"max-epsilon": 2.0, "seeded-noise": True}):
+    for node_config in ({"policy": "trust-run"}, {"max-epsilon": 2.0, "seeded-noise": True,
+                                                   "state-dir": str(tmp_path / "node")}):
         reply = _on_supernode(monkeypatch, tmp_path, user_app(), *_query(node_config))
         assert not reply.has_error(), reply.error.reason
         assert list(reply.content[protocol.SETUP][protocol.MAX_EPSILON]) == [node_config.get("max-epsilon", 0.0)]
@@ -346,22 +349,26 @@ def test_silos_refuse_a_run_at_another_delta_before_reading_data(silos, tmp_path
 
 def test_a_silos_budget_is_its_policys_cap_when_smaller(silos, tmp_path):  # noqa: F811
     """The cap lies between one round's epsilon and the plan's two: round 1 is charged
-    (at the policy's delta), round 2 refused with nothing trained."""
-    agreed = cap_agreement(parse_subject_config(SILO_RC))
+    (at the policy's delta), round 2 refused with nothing trained. One silo per node, each
+    node its own state-dir (under a policy a node's silos share its one ledger)."""
+    rc = {**SILO_RC, "num-silos": 2}
+    agreed = cap_agreement(parse_subject_config(rc))
     one = PrivacyLedger(delta=DELTA, accountant="pld", unit="subject")
     one.record_round(1, {"self": agreed.event(Instruction(1, agreed.max_sample_rate, agreed.max_steps,
                                                           agreed.fixed_noise))})
     cap = (one.epsilon() + agreed.budget) / 2
     assert one.epsilon() < cap < agreed.budget
-    grid = InProcessGrid(subject_client, 2, SILO_RC, node_config={"state-dir": str(tmp_path),
-                                                                  "max-epsilon": cap})
-    assert not any(r.has_error() for r in _send(grid, 1))
+    node = {"state-dir": str(tmp_path), "max-epsilon": cap}
+    grid = InProcessGrid(subject_client, 2, rc, node_config=node, node_configs=own_state_dirs(node, 2))
+    assert not any(r.has_error() for r in _send(grid, 1, **_honest(1, rc)))
     trained = silos["trained"]
-    _refused(_send(grid, 2), f"the silo's budget {cap:g}")
+    assert trained == 2
+    _refused(_send(grid, 2, **_honest(2, rc)), f"the node's budget {cap:g}")
     assert silos["trained"] == trained
-    _, on_disk = _ledgers(grid, tmp_path)
-    assert sorted(on_disk) == [0, 1, 2, 3] and all(len(s["rounds"]) == 1 and s["delta"] == DELTA
-                                                   for s in on_disk.values())
+    on_disk = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/silos/ledger-*.json"))]
+    assert [str(p.relative_to(tmp_path)) for p in sorted(tmp_path.glob("*/silos/ledger-*.json"))] == [
+        "0/silos/ledger-node.json", "1/silos/ledger-node.json"]
+    assert all(len(s["rounds"]) == 1 and s["delta"] == DELTA for s in on_disk)
 
 
 # ------------------------------------------------------------------ reading the policy

@@ -4,7 +4,8 @@ A node's policy caps its owners at ε = 1 (δ 1e-5, record unit, add/remove). Th
 submitter then sets one key to a value chosen against the owners, and the server
 hides the cap from its own planning (its set-up replies report none), so it plans the
 noise of the run's target. Whatever happens (a refusal, a failed run, a completed
-one), each owner's ledger on its node, recomputed by dp_accounting's own PLD
+one), each owner's ledger on its node (the node's one ledger under its policy; one owner per
+node here, each node its own state-dir), recomputed by dp_accounting's own PLD
 accountant from the events it holds, stays within the cap, and every release that
 left an owner is in its ledger (charged before it left).
 
@@ -27,6 +28,7 @@ from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import protocol
 from flwr_jdp.privacy.events import from_dict
 from flwr_jdp.strategies import JointDP
+from tests.helpers import own_state_dirs
 from tests.test_distributed_noise import RECORDS, _initial, _rc, user_app
 
 CAP, DELTA, OWNERS = 1.0, 1e-5, 3
@@ -45,7 +47,7 @@ def _run(tmp_path, hide_cap: bool = True, **over: object) -> InProcessGrid:
                         **over})
     node = {"state-dir": str(tmp_path / "node"), "max-epsilon": CAP, "seeded-noise": True}
     grid = InProcessGrid(user_app(), OWNERS, rc, node_config=node, fault=_hide_cap if hide_cap else None,
-                         errors_as_replies=True)
+                         errors_as_replies=True, node_configs=own_state_dirs(node, OWNERS))
     try:
         JointDP.from_run_config(rc, node_settle_s=0.0).start(grid=grid, initial_arrays=_initial())
     except Exception:  # noqa: BLE001 - a run the owners refuse ends as failed: what matters is their ledgers
@@ -54,10 +56,9 @@ def _run(tmp_path, hide_cap: bool = True, **over: object) -> InProcessGrid:
 
 
 def _ledgers(tmp_path) -> dict[int, dict]:
-    out = {}
-    for path in sorted((tmp_path / "node" / "owners").glob("ledger-*.json")):
-        out[int(path.stem.split("-")[1])] = json.loads(path.read_text())
-    return out
+    """Each node's ledger (``<state-dir>/<i>/owners/ledger-node.json``), by the node's partition id."""
+    return {i: json.loads(path.read_text()) for i in range(OWNERS)
+            if (path := tmp_path / "node" / str(i) / "owners" / "ledger-node.json").is_file()}
 
 
 def _events(state: dict) -> list[dpa.DpEvent]:

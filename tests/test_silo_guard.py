@@ -23,6 +23,7 @@ from flwr_jdp.config_check import ConfigError
 from flwr_jdp.inprocess import InProcessGrid
 from flwr_jdp.joint_dp import owner_guard
 from flwr_jdp.privacy import guard
+from flwr_jdp.records import hosted_owners
 from flwr_jdp.strategies.subject_level import SubjectLevelFedAvg
 from flwr_jdp.subject import silo_data as sd
 from flwr_jdp.subject.config import parse_subject_config
@@ -80,12 +81,14 @@ def _honest(rnd: int, rc=RC) -> dict:
 
 
 def _send(grid, rnd, **over) -> list[Message]:
-    """One train message per node, for the silos it hosts (0, 2 on node 0; 1, 3 on node 1)."""
+    """One train message per node, for the silos it hosts (with 4 silos: 0, 2 on node 0; 1, 3 on node 1)."""
     spec = dict(_honest(rnd), **over)
     q = spec.pop("q")
     drop = spec.pop("drop", None)
     messages = []
-    for node, hosted in zip(grid.get_node_ids(), ([0, 2], [1, 3]), strict=True):
+    num_silos = int(next(iter(grid.contexts.values())).run_config["num-silos"])
+    for p, node in enumerate(grid.get_node_ids()):
+        hosted = hosted_owners(num_silos, p, len(grid.contexts))
         conf = {"round": spec["round"], SILOS: hosted, "sample-rates": [q] * len(hosted),
                 "noise-multiplier": spec["noise-multiplier"], "calibration-steps": spec["calibration-steps"]}
         conf.pop(drop, None)
@@ -95,7 +98,7 @@ def _send(grid, rnd, **over) -> list[Message]:
 
 
 def _ledgers(grid, tmp_path) -> tuple[dict, dict]:
-    """Each silo's ledger as its node keeps it: in context.state and on disk."""
+    """Each silo's ledger as its node keeps it: in context.state (without a state-dir) and on disk."""
     in_state = {}
     for ctx in grid.contexts.values():
         for key in ctx.state.keys():
@@ -142,7 +145,7 @@ def test_a_repeated_round_and_a_round_past_the_plan_are_refused_with_the_ledger_
     assert all(not r.has_error() for r in first) and silos["trained"] == 4
     assert sorted(k for r in first for k in r.content.array_records) == [silo_key(i) for i in range(4)]
     after_one = _ledgers(grid, tmp_path)
-    assert sorted(after_one[0]) == sorted(after_one[1]) == [0, 1, 2, 3]
+    assert after_one[0] == {} and sorted(after_one[1]) == [0, 1, 2, 3]  # with a state-dir the file is the truth
     assert all([r["round"] for r in led["rounds"]] == [1] for led in after_one[1].values())
 
     _refused(_send(grid, 1), "round 1 was released already")  # the same round again

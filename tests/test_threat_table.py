@@ -39,7 +39,7 @@ SERVER_FIELDS = {
                Key.CIPHERTEXT_LIST, Key.SOURCE_LIST, Key.ACTIVE_NODE_ID_LIST, Key.DEAD_NODE_ID_LIST],
 }
 #: Rows that are not a key or a field.
-OTHER_ROWS = ["node selection", "dropouts", "evaluate message", "extra records"]
+OTHER_ROWS = ["node selection", "dropouts", "evaluate message", "extra records", "concurrent runs"]
 
 TEST_REF = re.compile(r"tests/(test_[A-Za-z0-9_]+\.py)::([A-Za-z0-9_]+)")
 

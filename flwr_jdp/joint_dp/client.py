@@ -148,7 +148,8 @@ class JointDPClient:
         self.user_ids = user_ids
         self.config_fn = config_fn or (lambda context: namespaced_config(context.run_config))
         self._key_prefix = "" if config_fn else f"{NAMESPACE}."  # how the user spells the keys
-        _add_mods(app, joint_dp_guard(lambda context: self.config(context).effective_personal_rule))
+        _add_mods(app, joint_dp_guard(lambda context: self.config(context).effective_personal_rule,
+                                      admit=self._admit))
         app.query()(self._setup)
 
     # ------------------------------------------------------------------ set-up
@@ -215,6 +216,19 @@ class JointDPClient:
         })
         return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
 
+    def _admit(self, msg: Message, context: Context) -> str | None:
+        """Why the node refuses an evaluate message's run (its policy, as at set-up and
+        train: :func:`~flwr_jdp.joint_dp.owner_guard.owner_policy`), or None; the reply
+        guard answers a refused one with this reason before the app's handler runs."""
+        try:
+            owner_policy(context, self.config(context))
+        except InstructionRefused as err:
+            log(WARNING, "Refused the evaluate message (no metrics sent): %s", err)
+            return f"refused: {err}"
+        except ConfigError as err:
+            return str(err)
+        return None
+
     # ------------------------------------------------------------------- model
     def _model(self, context: Context) -> nn.Module:
         """``model_fn(context)`` if it has a required positional parameter, else
@@ -280,8 +294,11 @@ class JointDPClient:
         With ``fit`` (``model -> anything``, e.g. ``lambda m: train_fn(m, trainloader,
         ...)``) the personal parameters are first fitted on this broadcast, shared
         parameters frozen, if they have not been yet (no privacy cost: nothing it
-        computes is sent); without it they are those of the last train round."""
+        computes is sent); without it they are those of the last train round. A run
+        the node's policy refuses raises :class:`InstructionRefused` (the reply guard
+        has answered its evaluate messages with an error already)."""
         cfg = self.config(context)
+        owner_policy(context, cfg)
         cfg_rec = msg.content.get(protocol.CONFIG)
         if not isinstance(cfg_rec, ConfigRecord):
             raise ConfigError(f"the evaluate message has no '{protocol.CONFIG}' record: {NOT_JOINT_DP}")
@@ -540,6 +557,11 @@ def _owner_context(context: Context, owner: int, num_owners: int) -> Context:
 
 
 def _merged_setup(msg: Message, replies: list[tuple[int, Message]]) -> Message:
+    """The set-up replies of a node's owners as one. Under its policy a node's owners
+    charge one ledger, so each reports an equal share of the node's cap
+    (``max-epsilon / k`` for ``k`` hosted owners): an honest server then plans every
+    owner's noise for a share, and the node's ledger, which checks the composition of
+    all their releases against the whole cap, is not run out mid-run."""
     errors = [f"owner {o}: {r.error.reason}" for o, r in replies if r.has_error()]
     if errors:
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="; ".join(errors)), reply_to=msg)
@@ -554,6 +576,8 @@ def _merged_setup(msg: Message, replies: list[tuple[int, Message]]) -> Message:
         for key in (protocol.PARAM_NAMES, protocol.PARAM_SHAPES):
             if key in one and key not in rec:
                 rec[key] = one[key]
+    if protocol.MAX_EPSILON in merged:
+        merged[protocol.MAX_EPSILON] = [float(cap) / len(replies) for cap in merged[protocol.MAX_EPSILON]]
     for key, values in merged.items():
         rec[key] = values
     return Message(RecordDict({protocol.SETUP: rec}), reply_to=msg)
@@ -634,6 +658,10 @@ with a context whose ``partition-id`` is the owner and ``num-partitions`` is N, 
 an app written for one owner per node (its ``load_data(partition-id,
 num-partitions)``) runs unchanged; the replies are merged, each owner's
 ``arrays`` and ``metrics`` under its own key (``owner.<o>``, ``metrics.<o>``).
+Under a node's policy every owner it hosts charges the node's one ledger (the node
+cannot verify that the run's partition of its data is disjoint,
+:mod:`flwr_jdp.privacy.guard`), and each reports ``max-epsilon / k`` at set-up for
+``k`` hosted owners, so that an honest server plans for the node's cap.
 An owner whose handler fails is left out of the reply with a logged reason (the
 server drops it for the round); if every owner fails, the error is the reply.
 Without ``jdp.num-owners``, or with one owner per node, messages pass through.

@@ -80,7 +80,8 @@ def charge_distributed(cfg: JobConfig, context: Context, owner: int, instruction
         raise InstructionRefused(f"scale {scale!r} is not a number >= 1 / clipping-norm")
     policy = owner_policy(context, cfg)
     agreed = agreed_distributed(cfg, dim, scale, policy.max_epsilon, policy.delta)
-    charge(context, OWNER_LEDGERS, {owner: (agreed, instruction)}, cfg.privacy_unit, note=f"session {session}")
+    charge(context, OWNER_LEDGERS, {owner: (agreed, instruction)}, cfg.privacy_unit, note=f"session {session}",
+           node_ledger=not policy.trusts_run)
     return owner_plan(cfg, instruction.noise_multiplier, dim, scale).with_honest_floor(policy.honest_owners)
 
 

@@ -35,7 +35,8 @@ The check, the ledger and where it is kept are the shared guard of
 :mod:`flwr_jdp.privacy.guard` (subject-level silos use the same); this module derives
 an owner's agreement from its run config and size. The ledger on the node's disk is
 keyed by the node's ``state-dir`` and the owner only, never by the session or terms
-the server names (:mod:`flwr_jdp.joint_dp.owner_store`).
+the server names, and under its node's policy it is the node's one ledger, whichever
+owner id the run gives (:mod:`flwr_jdp.joint_dp.owner_store`).
 """
 
 from __future__ import annotations

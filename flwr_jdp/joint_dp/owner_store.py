@@ -12,11 +12,14 @@ ServerApp is killed and the run resumed the owners continue from their personal
 state; a new session starts from the public initial values.
 
 The owner's own ledger depends neither on the session nor on the run's terms: it
-is kept in ``<path>/owners/ledger-<o>.json``
-(:class:`flwr_jdp.privacy.guard.LedgerStore`), in its node's policy's unit, relation
+is kept in ``<path>/owners/`` (:class:`flwr_jdp.privacy.guard.LedgerStore`), read and
+written under an exclusive lock at every charge, in its node's policy's unit, relation
 and delta (:mod:`flwr_jdp.privacy.policy`), so that a server naming a new session
-after a SuperNode restart, or a new run with other terms, finds every release the
-owner made and cannot spend its budget again. Used by every joint-DP ClientApp, the drop-in client half included.
+after a SuperNode restart, a new run with other terms, or a run served at the same
+time, finds every release the owner made and cannot spend its budget again. Under a
+node's policy every owner the node hosts charges the node's one ledger,
+``ledger-node.json`` (the run names the owners and their partition, which the node
+cannot verify); without one each owner keeps ``ledger-<o>.json``. Used by every joint-DP ClientApp, the drop-in client half included.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from flwr_jdp.joint_dp.owner_guard import (
     owner_policy,
 )
 from flwr_jdp.joint_dp.schedule import OwnerSize
-from flwr_jdp.privacy.guard import LedgerStore, charge
+from flwr_jdp.privacy.guard import LedgerId, LedgerStore, charge
 from flwr_jdp.privacy.mechanisms import torch_generator
 from flwr_jdp.privacy.units import NoisePlacement
 
@@ -127,20 +130,20 @@ def trained_rounds(context: Context, owner_id: int, session: str = "") -> int:
     return int(context.state[meta]["trained-rounds"]) if meta in context.state else 0
 
 
-#: Where owners keep their own ledgers: ``context.state["ledger.<o>"]`` and
-#: ``<state-dir>/owners/ledger-<o>.json``.
+#: Where owners keep their ledgers: ``<state-dir>/owners/ledger-<o>.json`` (``ledger-node.json``
+#: under a node's policy), else ``context.state["ledger.<o>"]``.
 OWNER_LEDGERS = LedgerStore(party="owner", state_key="ledger")
 
 
-def load_owner_ledger(context: Context, owner_id: int, agreed: AgreedRelease, unit: str) -> OwnerLedger:
-    """The owner's own record of its releases: ``context.state`` (this Flower run),
-    else the node's ``state-dir`` (after a restart, whatever session the server
-    names), else empty."""
+def load_owner_ledger(context: Context, owner_id: LedgerId, agreed: AgreedRelease, unit: str) -> OwnerLedger:
+    """The owner's own record of its releases (``owner_id``; :data:`~flwr_jdp.privacy.guard.NODE_LEDGER`:
+    the node's, under its policy): the node's ``state-dir`` (after a restart, whatever
+    session the server names), else ``context.state`` (this Flower run), else empty."""
     return OWNER_LEDGERS.load(context, owner_id, agreed, unit)
 
 
 def save_owner_ledger(context: Context, owner_id: int, ledger: OwnerLedger) -> None:
-    """Keep the owner's ledger in ``context.state`` and on the node's disk."""
+    """Keep the owner's ledger on the node's disk, else in ``context.state``."""
     OWNER_LEDGERS.save(context, owner_id, ledger)
 
 
@@ -213,13 +216,14 @@ def charge_owners(cfg: JobConfig, context: Context, sizes: dict[int, OwnerSize],
     it agreed to and against its own ledger, then records the release in its ledger
     and saves it, before anything is trained (:func:`flwr_jdp.privacy.guard.charge`).
     Any refusal refuses the whole message (nothing is recorded, trained or sent).
-    ``session`` is noted in the ledger; it does not select it. Each owner's budget is
-    ``min(max-epsilon, target-epsilon)`` with its node's policy, accounted at the
-    policy's delta (distributed noise charges in
+    ``session`` is noted in the ledger; it does not select it. With its node's policy
+    every owner charges the node's one ledger, against ``min(max-epsilon,
+    target-epsilon)``, accounted at the policy's delta (distributed noise charges in
     :func:`~flwr_jdp.joint_dp.distributed.charge_distributed`)."""
     policy = owner_policy(context, cfg)
     if not (cfg.dp and cfg.placement is NoisePlacement.LOCAL):
         return
     requests = {o: (agreed_release(cfg, sizes[o], policy.max_epsilon, policy.delta), instruction)
                 for o, instruction in instructions.items()}
-    charge(context, OWNER_LEDGERS, requests, cfg.privacy_unit, note=f"session {session}")
+    charge(context, OWNER_LEDGERS, requests, cfg.privacy_unit, note=f"session {session}",
+           node_ledger=not policy.trusts_run)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 
 from flwr_jdp.joint_dp import protocol
-from flwr_jdp.reply_guard import Allowed, ReplyGuard, Rules
+from flwr_jdp.reply_guard import AdmitFn, Allowed, ReplyGuard, Rules
 
 #: The set-up reply of :class:`~flwr_jdp.joint_dp.client.JointDPClient` (merged by ``owners_mod``).
 JOINT_DP_SETUP: Rules = {protocol.SETUP: Allowed(ConfigRecord, frozenset({
@@ -17,14 +17,14 @@ JOINT_DP_SETUP: Rules = {protocol.SETUP: Allowed(ConfigRecord, frozenset({
     protocol.PARAM_NAMES, protocol.PARAM_SHAPES}))}
 
 
-def joint_dp_guard(personal_rule: Callable[[Context], str]) -> ReplyGuard:
+def joint_dp_guard(personal_rule: Callable[[Context], str], admit: AdmitFn | None = None) -> ReplyGuard:
     """The guard of :class:`~flwr_jdp.joint_dp.client.JointDPClient`. A train reply carries,
     per owner the instruction names (``owner.<o>`` / ``metrics.<o>``, or Flower's
     ``arrays`` / ``metrics`` for a single owner), an ArrayRecord with exactly the
     names and shapes of the broadcast shared parameters (whatever the release's
     kind: updated parameters, a clipped sum, a clipped update or field elements),
     none matching ``personal_rule(context)`` (the run's personal-layers rule), and a
-    MetricRecord with ``num-examples`` only."""
+    MetricRecord with ``num-examples`` only. ``admit``: see :class:`~flwr_jdp.reply_guard.ReplyGuard`."""
 
     def train_rules(msg: Message, context: Context) -> Rules:
         broadcast = msg.content.get(protocol.SHARED)
@@ -40,7 +40,7 @@ def joint_dp_guard(personal_rule: Callable[[Context], str]) -> ReplyGuard:
             rules[protocol.owner_key(o)], rules[protocol.metrics_key(o)] = release, count
         return rules
 
-    return ReplyGuard(train_rules, JOINT_DP_SETUP, "joint-dp")
+    return ReplyGuard(train_rules, JOINT_DP_SETUP, "joint-dp", admit)
 
 
 __all__ = ["JOINT_DP_SETUP", "joint_dp_guard"]

@@ -19,12 +19,25 @@ every ledger is charged and saved before anything is trained. Refusal fails clos
 the node trains nothing, sends nothing, and replies with an error naming the reason
 (:class:`InstructionRefused`).
 
-The ledger lives in ``context.state`` and, when the node config sets ``state-dir``,
-in ``<state-dir>/<party>s/ledger-<id>.json`` (:class:`LedgerStore`): one file per
-party, whatever the run's unit, neighbouring relation or delta. The path depends only
-on what the node controls, its ``state-dir`` and the party's id, never on the session,
-round, noise, rates or terms a run names: a server that announces a new session, or a
-new run on the same node, finds the party's spent epsilon where it left it. The ledger
+Where the ledger lives (:class:`LedgerStore`): with the node config's ``state-dir``,
+in ``<state-dir>/<party>s/``, and nowhere else: every charge takes an exclusive lock
+(``fcntl.flock`` on a lock file beside the ledger, which holds across processes: a
+SuperNode runs each run's ClientApp in its own process, and several runs at once),
+reads the file, checks, records and saves it atomically before the lock is released,
+so runs served at the same time see each other's releases. Under a node's own policy
+(:mod:`flwr_jdp.privacy.policy`) every party the node hosts charges the node's one
+ledger, ``ledger-node.json`` (:data:`NODE_LEDGER`): which parties a node hosts, and
+which of its records each one holds, is the run's choice (``num-owners``,
+``partition-id`` / ``num-partitions``), which the node cannot verify is a disjoint
+partition, so the cap holds for the sequential composition of every release the node
+makes, whatever the run calls its parties; the per-party ledgers it finds beside it
+(releases made without a policy) are composed in. Without a policy (the run config
+trusted) each party keeps its own, ``ledger-<id>.json``; without a ``state-dir`` (no
+policy then: a policy needs one) in ``context.state``, which lives as long as the
+Flower run. The path depends only on what the node controls, its ``state-dir`` and
+the party's id, never on the session, round, noise, rates or terms a run names: a
+server that announces a new session, or a new run on the same node, finds the spent
+epsilon where it left it. The ledger
 records the terms it counts in, the node's policy's unit, relation and delta
 (:mod:`flwr_jdp.privacy.policy`), and is always accounted at that delta; a ledger
 recorded in other terms is refused, not re-read (the release could not be charged in
@@ -41,12 +54,14 @@ Used by JointDP's owners (:mod:`flwr_jdp.joint_dp.owner_guard`,
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +79,12 @@ TOLERANCE = 1e-9
 
 #: The one scope of a party's own ledger.
 SELF_SCOPE = "self"
+
+#: The id of the one ledger every party of a node charges under the node's policy
+#: (``<state-dir>/<party>s/ledger-node.json``).
+NODE_LEDGER = "node"
+
+LedgerId = int | str
 
 
 class InstructionRefused(RuntimeError):
@@ -156,13 +177,16 @@ class PartyLedger:
     """What one party has released, accounted by the party itself.
 
     A :class:`~flwr_jdp.privacy.ledger.PrivacyLedger` with one scope; it is kept
-    as JSON (in the node's ``context.state``, and on the node's disk when it has a
-    ``state-dir``), recorded and saved *before* the release leaves the party."""
+    as JSON (on the node's disk when it has a ``state-dir``, else in the node's
+    ``context.state``), recorded and saved *before* the release leaves the party.
+    ``carried``: releases recorded in other ledgers of the node (a node's ledger
+    composes in its parties' own ledgers), counted in its epsilon, never saved with it."""
 
     def __init__(self, budget: float, delta: float, accountant: str, unit: str,
                  state: dict[str, Any] | None = None, neighbouring: str = "add-remove",
-                 party: str = "owner") -> None:
+                 party: str = "owner", carried: list[dpa.DpEvent] | None = None) -> None:
         self.party = party
+        self.carried = list(carried or [])
         self.ledger = PrivacyLedger(delta=delta, accountant=accountant, unit=unit, budget=budget,
                                     neighbouring=neighbouring)
         if state:
@@ -186,14 +210,23 @@ class PartyLedger:
         """Whether round ``server_round`` was released already."""
         return any(int(r["round"]) == int(server_round) for r in self.ledger.rounds)
 
-    def epsilon(self) -> float:
-        return self.ledger.epsilon()
+    def epsilon(self, event: dpa.DpEvent | None = None) -> float:
+        """Epsilon spent (after releasing ``event``, if given), the carried releases included."""
+        planned = {SELF_SCOPE: event} if event is not None else None
+        if not self.carried:
+            return self.ledger.epsilon(planned)
+        whole = ev.compose([self.ledger.scope_event(SELF_SCOPE, event), *self.carried])
+        return epsilon(whole, self.ledger.delta, self.ledger.accountant, self.ledger.neighbouring)
 
     def check(self, event: dpa.DpEvent) -> str | None:
         """Why releasing ``event`` is refused (over budget), or None."""
-        if self.ledger.would_exceed({SELF_SCOPE: event}):
-            return (f"releasing would spend epsilon {self.ledger.epsilon({SELF_SCOPE: event}):.4f} > "
-                    f"the {self.party}'s budget {self.ledger.budget:g} ({self.releases} rounds released)")
+        budget = self.ledger.budget
+        if budget is None or math.isinf(budget):
+            return None
+        spent = self.epsilon(event)
+        if spent > budget * (1 + TOLERANCE):
+            return (f"releasing would spend epsilon {spent:.4f} > the {self.party}'s budget {budget:g} "
+                    f"({self.releases} rounds released)")
         return None
 
     def record(self, server_round: int, event: dpa.DpEvent, note: str = "") -> None:
@@ -212,86 +245,152 @@ class PartyLedger:
 @dataclass(frozen=True)
 class LedgerStore:
     """Where the parties of one kind (``party``: ``owner``, ``silo``) keep their
-    ledgers on a node: ``context.state[<state_key>.<id>]``, and
-    ``<state-dir>/<party>s/ledger-<id>.json`` when the node config sets ``state-dir``."""
+    ledgers on a node: ``<state-dir>/<party>s/ledger-<id>.json`` when the node config
+    sets ``state-dir`` (the file is the only truth, read and written under
+    :meth:`locked`), else ``context.state[<state_key>.<id>]`` (this Flower run only).
+    ``<id>`` is the party's, or :data:`NODE_LEDGER` for the node's one ledger."""
 
     party: str
     state_key: str
 
-    def path(self, context: Context, party_id: int) -> Path | None:
-        """The ledger's file on the node's disk (None without a ``state-dir``)."""
+    def path(self, context: Context, ledger_id: LedgerId) -> Path | None:
+        """The ledger's file on the node's disk (None without a ``state-dir``).
+        Refused (:class:`InstructionRefused`) if the ``state-dir`` holds it in the old
+        layout, before anything is written there."""
         root = context.node_config.get("state-dir")
         if not root:
             return None
-        return Path(str(root)) / f"{self.party}s" / f"ledger-{int(party_id)}.json"
+        path = Path(str(root)) / f"{self.party}s" / f"ledger-{_name(ledger_id)}.json"
+        old = sorted(path.parent.parent.glob(f"{self.party}s-*/{path.name}"))
+        if old:
+            raise InstructionRefused(
+                f"{self.label(ledger_id)} is in the old layout at {old[0]}: move it to {path} if it counts in this "
+                "node's policy's unit and relation; otherwise its releases cannot be charged in the policy's terms "
+                "(point state-dir elsewhere only to start a new budget knowingly)")
+        return path
 
-    def load(self, context: Context, party_id: int, agreed: AgreedRelease, unit: str) -> PartyLedger:
-        """The party's record of its releases: ``context.state`` (this Flower run),
-        else the node's ``state-dir`` (after a restart, whatever session or run the
-        server names now), else empty. Refused (:class:`InstructionRefused`) if it
-        counts in other terms than ``agreed``'s (unit, relation, delta), or if the
-        ``state-dir`` holds the party's ledger in the old layout."""
-        key = f"{self.state_key}.{int(party_id)}"
-        path = self.path(context, party_id)
-        where = "this run's ledger"
-        text = None
-        if path is not None:
-            old = sorted(path.parent.parent.glob(f"{self.party}s-*/{path.name}"))
-            if old:
-                raise InstructionRefused(
-                    f"{self.party} {party_id}'s ledger is in the old layout at {old[0]}: move it to {path} if it "
-                    f"counts in this node's policy's unit and relation ({unit}, {agreed.neighbouring}); otherwise "
-                    "its releases cannot be charged in the policy's terms (point state-dir elsewhere only to "
-                    "start a new budget knowingly)")
-        if key in context.state:
-            text = str(context.state[key]["state"])
-        elif path is not None and path.is_file():
-            text, where = path.read_text(), str(path)
-        state = json.loads(text) if text else None
-        if state:
-            terms = {"unit": str(unit), "neighbouring": agreed.neighbouring, "delta": float(agreed.delta)}
-            recorded = {"neighbouring": "add-remove", **{k: state[k] for k in terms if k in state}}
-            wrong = [f"{k}={recorded.get(k)!r} (policy: {v!r})" for k, v in terms.items() if recorded.get(k) != v]
-            if wrong:
-                raise InstructionRefused(f"{self.party} {party_id}'s ledger ({where}) counts in other terms than "
-                                         f"this node's policy: {', '.join(wrong)}; its releases cannot be charged "
-                                         "in the policy's terms")
+    def label(self, ledger_id: LedgerId) -> str:
+        return f"this node's {self.party}s' ledger" if ledger_id == NODE_LEDGER else f"{self.party} {ledger_id}'s ledger"
+
+    @contextmanager
+    def locked(self, context: Context, ledger_id: LedgerId) -> Iterator[None]:
+        """Hold the ledger's file exclusively (``fcntl.flock`` on ``.<file>.lock`` beside
+        it: every process of the node, every run it serves, waits its turn); nothing to
+        hold without a ``state-dir``."""
+        path = self.path(context, ledger_id)
+        if path is None:
+            yield
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}.lock"), "a") as fh:  # noqa: PTH123
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def load(self, context: Context, ledger_id: LedgerId, agreed: AgreedRelease, unit: str) -> PartyLedger:
+        """The record of the releases: the node's ``state-dir`` file if it sets one
+        (whatever session or run the server names), else ``context.state`` (this Flower
+        run), else empty. The node's ledger (:data:`NODE_LEDGER`) carries the releases of
+        the per-party ledgers beside it. Refused (:class:`InstructionRefused`) if a
+        ledger counts in other terms than ``agreed``'s (unit, relation, delta), or if the
+        ``state-dir`` holds it in the old layout (:meth:`path`). A caller that charges
+        holds :meth:`locked`."""
+        path = self.path(context, ledger_id)
+        carried: list[dpa.DpEvent] = []
+        if path is None:
+            record = context.state.get(f"{self.state_key}.{_name(ledger_id)}")
+            text, where = (str(record["state"]) if record is not None else None), "this run's ledger"
+        else:
+            text, where = (path.read_text() if path.is_file() else None), str(path)
+            if ledger_id == NODE_LEDGER:
+                for other in sorted(path.parent.glob("ledger-*.json")):
+                    pid = other.stem.removeprefix("ledger-")
+                    if pid.isdigit():
+                        state = self._checked(json.loads(other.read_text()), f"{self.label(int(pid))} ({other})",
+                                              agreed, unit)
+                        mine = PartyLedger(math.inf, agreed.delta, agreed.accountant, unit, state,
+                                           agreed.neighbouring)
+                        carried.append(mine.ledger.scope_event(SELF_SCOPE))
+        state = self._checked(json.loads(text), f"{self.label(ledger_id)} ({where})", agreed, unit) if text else None
+        party = "node" if ledger_id == NODE_LEDGER else agreed.party
         return PartyLedger(agreed.budget, agreed.delta, agreed.accountant, unit, state, agreed.neighbouring,
-                           agreed.party)
+                           party, carried)
 
-    def save(self, context: Context, party_id: int, ledger: PartyLedger) -> None:
-        """Keep the party's ledger in ``context.state`` and on the node's disk."""
-        context.state[f"{self.state_key}.{int(party_id)}"] = ConfigRecord({"state": ledger.to_json()})
-        path = self.path(context, party_id)
-        if path is not None:
+    @staticmethod
+    def _checked(state: dict[str, Any], which: str, agreed: AgreedRelease, unit: str) -> dict[str, Any]:
+        """``state`` (of the ledger ``which``) if it counts in ``agreed``'s terms, else
+        :class:`InstructionRefused`."""
+        terms = {"unit": str(unit), "neighbouring": agreed.neighbouring, "delta": float(agreed.delta)}
+        recorded = {"neighbouring": "add-remove", **{k: state[k] for k in terms if k in state}}
+        wrong = [f"{k}={recorded.get(k)!r} (policy: {v!r})" for k, v in terms.items() if recorded.get(k) != v]
+        if wrong:
+            raise InstructionRefused(f"{which} counts in other terms than this node's policy: {', '.join(wrong)}; "
+                                     "its releases cannot be charged in the policy's terms")
+        return state
+
+    def save(self, context: Context, ledger_id: LedgerId, ledger: PartyLedger) -> None:
+        """Write the ledger to the node's disk (atomically), or without a ``state-dir``
+        keep it in ``context.state``."""
+        path = self.path(context, ledger_id)
+        if path is None:
+            context.state[f"{self.state_key}.{_name(ledger_id)}"] = ConfigRecord({"state": ledger.to_json()})
+        else:
             ledger.save(path)
 
 
+def _name(ledger_id: LedgerId) -> str:
+    return NODE_LEDGER if ledger_id == NODE_LEDGER else str(int(ledger_id))
+
+
 def charge(context: Context, store: LedgerStore, requests: Mapping[int, tuple[AgreedRelease, Instruction]],
-           unit: str, note: str = "") -> None:
-    """Each party checks its instruction against its agreement and its own ledger,
-    then records the release in its ledger and saves it, before anything is trained.
-    Any refusal refuses the whole message: nothing is recorded, trained or sent
-    (:class:`InstructionRefused` names every party's reason)."""
-    reasons: list[str] = []
-    charges: dict[int, tuple[PartyLedger, dpa.DpEvent]] = {}
-    for pid, (agreed, instruction) in requests.items():
-        ledger = store.load(context, pid, agreed, unit)
-        reason = agreed.check(instruction)
-        if reason is None and agreed.once_per_round and ledger.released(instruction.server_round):
-            reason = f"round {instruction.server_round} was released already"
-        if reason is None:
-            event = agreed.event(instruction)
+           unit: str, note: str = "", *, node_ledger: bool = False) -> None:
+    """Each party checks its instruction against its agreement, and its ledger checks
+    the release, then the release is recorded in the ledger and saved, before anything
+    is trained. ``node_ledger`` (under a node's policy): every party charges the node's
+    one ledger (:data:`NODE_LEDGER`), which checks and records the composition of their
+    releases; else each party its own. Every ledger file is held (:meth:`LedgerStore.locked`)
+    from before it is read until it is saved. Any refusal refuses the whole message:
+    nothing is recorded, trained or sent (:class:`InstructionRefused` names every
+    reason)."""
+    groups: dict[LedgerId, list[int]] = {}
+    for pid in requests:
+        groups.setdefault(NODE_LEDGER if node_ledger else pid, []).append(pid)
+    with ExitStack() as stack:
+        for lid in sorted(groups, key=str):  # one order in every process
+            stack.enter_context(store.locked(context, lid))
+        reasons: list[str] = []
+        charges: dict[LedgerId, tuple[PartyLedger, dpa.DpEvent, int]] = {}
+        for lid, pids in groups.items():
+            first = requests[pids[0]][0]
+            budget = min(requests[pid][0].budget for pid in pids)
+            ledger = store.load(context, lid, replace(first, budget=budget), unit)
+            events = []
+            for pid in pids:
+                agreed, instruction = requests[pid]
+                reason = agreed.check(instruction)
+                if reason is None and agreed.once_per_round and ledger.released(instruction.server_round):
+                    reason = f"round {instruction.server_round} was released already"
+                if reason:
+                    reasons.append(f"{agreed.party} {pid}: {reason}")
+                else:
+                    events.append(agreed.event(instruction))
+            if len(events) < len(pids):
+                continue
+            event = ev.compose(events)
             reason = ledger.check(event)
-            charges[pid] = (ledger, event)
-        if reason:
-            reasons.append(f"{agreed.party} {pid}: {reason}")
-    if reasons:
-        raise InstructionRefused("; ".join(reasons))
-    for pid, (ledger, event) in charges.items():
-        ledger.record(requests[pid][1].server_round, event, note=note)
-        store.save(context, pid, ledger)
+            if reason:
+                reasons.append(f"{first.party} {pids[0]}: {reason}" if lid != NODE_LEDGER else
+                               f"{first.party}s {pids} ({store.label(lid)}): {reason}")
+            charges[lid] = (ledger, event, requests[pids[0]][1].server_round)
+        if reasons:
+            raise InstructionRefused("; ".join(reasons))
+        for lid, (ledger, event, server_round) in charges.items():
+            who = f"({store.party}s {groups[lid]})" if lid == NODE_LEDGER else ""
+            ledger.record(server_round, event, note=" ".join(p for p in (note, who) if p))
+            store.save(context, lid, ledger)
 
 
-__all__ = ["SELF_SCOPE", "TOLERANCE", "AgreedRelease", "Instruction", "InstructionRefused", "LedgerStore",
+__all__ = ["NODE_LEDGER", "SELF_SCOPE", "TOLERANCE", "AgreedRelease", "Instruction", "InstructionRefused", "LedgerStore",
            "PartyLedger", "charge"]

@@ -19,9 +19,16 @@ is read (:func:`run_policy`): the run's ``delta`` must be the policy's, its priv
 unit and neighbouring relation the policy's, its noise placement one the policy
 allows, and the run must be private at all, with unseeded noise; otherwise the owner refuses, naming the
 run-config key and the policy's value. The owner's budget is ``min(max-epsilon, the
-run's target-epsilon)``: a run cannot raise it. Its ledger is one file per owner
-whatever the run (:class:`~flwr_jdp.privacy.guard.LedgerStore`), recording the
-policy's unit, relation and delta, and always accounted at the policy's delta.
+run's target-epsilon)``: a run cannot raise it. The cap covers every run on the
+node, so a policy needs node config ``state-dir`` (refused without one: a ledger in
+Flower's per-run ``context.state`` would start every run afresh). Under a policy the
+node keeps one ledger for every owner it hosts (``<state-dir>/owners/ledger-node.json``,
+:class:`~flwr_jdp.privacy.guard.LedgerStore`): which owners a node hosts and which of
+its records each holds is the run's choice (``num-owners``, the partition), which the
+node cannot verify is disjoint, so every release it makes is composed sequentially
+against the cap. The ledger records the policy's unit, relation and delta, is always
+accounted at the policy's delta, and is read and written under a lock across
+processes (runs served at the same time share it).
 
 Distributed noise and ``honest-owners``
     Under ``noise-placement = "distributed"`` each owner adds a share ``mu_i`` of the
@@ -263,7 +270,8 @@ def run_policy(node_config: Mapping[str, Any], terms: RunTerms, *, party: str = 
     (:meth:`OwnerPolicy.from_node_config`), else the run config, trusted off a real
     SuperNode or with ``policy = "trust-run"`` (said once per process). Raises
     :class:`~flwr_jdp.privacy.guard.InstructionRefused` if the run breaks the node's
-    policy, or if a real SuperNode names no policy; :class:`ConfigError` for a bad one."""
+    policy, if a real SuperNode names no policy, or if a policy has no ``state-dir``
+    for its ledger; :class:`ConfigError` for a bad one."""
     policy = OwnerPolicy.from_node_config(node_config, default_unit=default_unit)
     if policy is None:
         opted_in = node_config.get(MODE_KEY) == TRUST_RUN
@@ -281,6 +289,9 @@ def run_policy(node_config: Mapping[str, Any], terms: RunTerms, *, party: str = 
                 "sizes); set node config 'max-epsilon' or '%s' to hold every run to the node's own terms",
                 party, why, party, FILE_KEY)
         return OwnerPolicy.trusting(terms)
+    if not node_config.get("state-dir"):
+        raise InstructionRefused(f"a policy's cap covers all runs on this node: it needs node config 'state-dir' "
+                                 f"for its ledger (the policy: {policy.source})")
     reason = policy.refusal(terms)
     if reason:
         raise InstructionRefused(reason)

@@ -31,8 +31,9 @@ budget is ``min(max-epsilon, its share of the plan)``, its ledger is accounted a
 policy's delta, and what it cannot charge in the policy's terms is refused: the
 reported-counts mode (its set-up sends subject counts) and ``local-group-dp``'s
 data-dependent noise. Every release is charged to the silo's ledger, and the ledger
-saved (``context.state``; ``<state-dir>/silos/ledger-<silo>.json`` with node config
-``state-dir``), before the silo trains. A refusal fails closed: no silo of the message
+saved (``<state-dir>/silos/ledger-<silo>.json`` with node config ``state-dir``, else
+``context.state``; under a node's policy every silo of the node charges the node's one
+ledger, ``<state-dir>/silos/ledger-node.json``), before the silo trains. A refusal fails closed: no silo of the message
 trains, nothing is charged or sent, and the node replies with an error naming the
 reason. ``fedavg`` has no privacy to guard (its models are sent un-noised).
 """
@@ -56,8 +57,8 @@ from .config import SubjectDPConfig
 from .plan import make_plan, over_target, sample_rates, schedule
 from .protocol import CALIBRATION_STEPS, NOISE_MULTIPLIER, ROUND, SAMPLE_RATES, SILOS
 
-#: Where silos keep their own ledgers: ``context.state["silo-ledger.<i>"]`` and
-#: ``<state-dir>/silos/ledger-<i>.json``.
+#: Where silos keep their ledgers: ``<state-dir>/silos/ledger-<i>.json`` (``ledger-node.json``
+#: under a node's policy), else ``context.state["silo-ledger.<i>"]``.
 SILO_LEDGERS = LedgerStore(party="silo", state_key="silo-ledger")
 
 #: The keys every train instruction must carry (a missing one is refused, never defaulted).
@@ -209,7 +210,7 @@ def charge_silos(cfg: SubjectDPConfig, context: Context, conf: object, hosted: s
                 f"silo {i}: calibration-steps {calibration_steps}, agreed {agreed.calibration_steps} "
                 "(from local-steps, budget-rounds and accounting)")
         requests[i] = (agreed, instruction)
-    charge(context, SILO_LEDGERS, requests, _unit(cfg), note=cfg.method)
+    charge(context, SILO_LEDGERS, requests, _unit(cfg), note=cfg.method, node_ledger=not policy.trusts_run)
     return instructions, calibration_steps
 
 
