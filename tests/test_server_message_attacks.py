@@ -22,7 +22,7 @@ from flwr_jdp.joint_dp import protocol
 from flwr_jdp.strategies import JointDP
 from tests.test_distributed_noise import _initial, _rc, user_app
 from tests.test_dropin import Tiny, _client_node
-from tests.test_dropin_guarantee import N, PLACEMENTS, Q, Z, _bound, _config, _neighbours, _release, _sgd_loop
+from tests.test_dropin_guarantee import PLACEMENTS, N, Q, Z, _bound, _config, _neighbours, _release, _sgd_loop
 
 
 def _crafted_round(placement: str, loader, scale: float):  # noqa: ANN001
