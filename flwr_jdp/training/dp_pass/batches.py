@@ -107,7 +107,9 @@ def _rows_are_records(batch, items: list, collate: Callable, leaves: list[int] |
     (default: every leaf, which must all be tensors), each with the records along dim 0.
     So a split by rows gives each record its own values only, whatever the layout
     (a time-first batch whose length equals the number of records, padding to the
-    batch's longest record)."""
+    batch's longest record). ``batch`` must be ``collate(items)``: for torch's
+    ``default_collate`` over records of one layout that holds by construction
+    (:func:`_stacked_by_default_collate`) and no record is collated again."""
     n = len(items)
     tensors = _tensors_of(batch)
     if leaves is None:
