@@ -472,22 +472,25 @@ class JointDPClient:
                  loss_fn: LossFn | None, central: bool) -> Plan | None:
         """The DP pass's dry run (record or user unit), before the owner is charged and before
         any of its data is read: a rule broken there refuses the round at no cost, and is
-        remembered (the same code breaks it again). It runs on a copy of ``model`` whose
-        personal parameters are frozen, as in the DP pass."""
+        remembered (the same code breaks it again). It runs on copies of ``model`` (made by
+        :func:`~flwr_jdp.training.dp_pass.dry_run`) whose personal parameters are frozen, as
+        in the DP pass; ``model``'s own flags are put back."""
         if not cfg.dp or cfg.unit is PrivacyUnit.OWNER:
             return None
-        import copy
-
         split = self._split(cfg, model)
-        frozen = copy.deepcopy(model)
-        for n, p in frozen.named_parameters():
-            p.requires_grad_(n in split.shared)
+        params = list(model.named_parameters())
+        flags = [p.requires_grad for _, p in params]
         try:
-            return dry_run(frozen, loader, train_fn, capture=central, loss_fn=loss_fn)
+            for n, p in params:
+                p.requires_grad_(n in split.shared)
+            return dry_run(model, loader, train_fn, capture=central, loss_fn=loss_fn)
         except UserLoopError as err:
             if err.structural:
                 context.state[f"{REFUSED_KEY}.{owner_id(context)}"] = ConfigRecord({"reason": str(err)})
             raise
+        finally:
+            for (_, p), flag in zip(params, flags, strict=True):
+                p.requires_grad_(flag)
 
     @staticmethod
     def _encoder(cfg: JobConfig, context: Context, cfg_rec: ConfigRecord, owner: int, model: nn.Module,

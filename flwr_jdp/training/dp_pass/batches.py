@@ -107,7 +107,9 @@ def _rows_are_records(batch, items: list, collate: Callable, leaves: list[int] |
     (default: every leaf, which must all be tensors), each with the records along dim 0.
     So a split by rows gives each record its own values only, whatever the layout
     (a time-first batch whose length equals the number of records, padding to the
-    batch's longest record)."""
+    batch's longest record). ``batch`` must be ``collate(items)``: for torch's
+    ``default_collate`` over records of one layout that holds by construction
+    (:func:`_stacked_by_default_collate`) and no record is collated again."""
     n = len(items)
     tensors = _tensors_of(batch)
     if leaves is None:
@@ -116,6 +118,8 @@ def _rows_are_records(batch, items: list, collate: Callable, leaves: list[int] |
         leaves = list(range(len(tensors)))
     if any(i >= len(tensors) or tensors[i].dim() == 0 or tensors[i].shape[0] != n for i in leaves):
         return False
+    if _stacked_by_default_collate(items, collate):
+        return True
     for j, item in enumerate(items):
         try:
             one = _tensors_of(collate([item]))
@@ -124,6 +128,35 @@ def _rows_are_records(batch, items: list, collate: Callable, leaves: list[int] |
         if len(one) != len(tensors) or not all(_equal(one[i], tensors[i][j:j + 1]) for i in leaves):
             return False
     return True
+
+
+def _layout_of(item) -> tuple | None:  # noqa: ANN001
+    """The structure of one record as the data set gives it: containers (dicts, lists,
+    tuples) down to plain strided tensors, each as its shape, dtype and device; None if
+    anything else is in it."""
+    if type(item) is torch.Tensor:
+        return (torch.Tensor, tuple(item.shape), item.dtype, item.device) if item.layout == torch.strided else None
+    if type(item) is dict:
+        parts = tuple(_layout_of(v) for v in item.values())
+        return None if None in parts else (dict, tuple(item), parts)
+    if type(item) in (list, tuple):
+        parts = tuple(_layout_of(v) for v in item)
+        return None if None in parts else (type(item), parts)
+    return None
+
+
+def _stacked_by_default_collate(items: list, collate: Callable) -> bool:
+    """Whether ``collate`` is torch's ``default_collate`` and every record has the same
+    layout (:func:`_layout_of`: the same keys in the same order, tensors of the same shape,
+    dtype and device, nothing else): ``default_collate`` then stacks each tensor along a
+    new dim 0, so row ``j`` of the batch is record ``j``'s tensor, exactly as in the batch
+    of that record alone, without collating each record again."""
+    from torch.utils.data import default_collate
+
+    if collate is not default_collate or not items:
+        return False
+    first = _layout_of(items[0])
+    return first is not None and all(_layout_of(item) == first for item in items[1:])
 
 
 #: How a batch that does not hold its records along dim 0 is written so that it does.

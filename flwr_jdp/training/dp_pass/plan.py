@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
+from .. import per_sample
 from ..dp_sgd import UnitBatch
 from .batches import BY_ROWS_HINT, PoissonBatches, PoissonLoader, _not_by_rows, _tensors_of
 from .capture import LOSS_FN_HINT, PrivateModule, _discarding_closure, _DPPass
@@ -233,10 +234,13 @@ def _check_gradients(model: nn.Module, dataset: _SyntheticSet, loader: DataLoade
 
     if call is None and loss_fn is None:
         return
+    batch, n = dataset.batch(loader.collate_fn), dataset.count
+    key = _gradient_check_key(model, batch, call, modes) if loss_fn is None else None
+    if key is not None and key in _GRADIENTS_CHECKED:
+        return
     check = copy.deepcopy(model)
     for name, m in check.named_modules():
         m.training = modes.get(name, m.training)
-    batch, n = dataset.batch(loader.collate_fn), dataset.count
     probe = _DPPass(check, PoissonLoader(dataset, _all_records(n), loader.collate_fn), 1.0, None,
                     torch.Generator().manual_seed(0), capture=True)
     try:
@@ -249,6 +253,51 @@ def _check_gradients(model: nn.Module, dataset: _SyntheticSet, loader: DataLoade
             probe._gradients(fwd, call.target.of(tensors, n), call)  # noqa: SLF001
     finally:
         probe.close()
+    if key is not None:
+        if len(_GRADIENTS_CHECKED) >= 256:
+            _GRADIENTS_CHECKED.clear()
+        _GRADIENTS_CHECKED.add(key)
+
+
+#: The keys (:func:`_gradient_check_key`) of the gradient checks passed in this process.
+_GRADIENTS_CHECKED: set[tuple] = set()
+
+
+def _gradient_check_key(model: nn.Module, batch: object, call: _LossCall,
+                        modes: dict[str, bool]) -> tuple | None:
+    """Everything :func:`_check_gradients` depends on without ``loss_fn`` (None where a part
+    cannot be keyed): the per-record path in force, the model's code (its modules' classes,
+    ``forward`` functions and hooks' code), the parameters' names, shapes, dtypes and which
+    are trainable, the modes, the synthetic batch's tensors (their values: a fixed seed and
+    the owner's record layout, never its data) and the loss call (function, arguments,
+    where its input and target come from). The check computes a record's gradient on
+    synthetic records: with the same key it has the same outcome, so a passed check is
+    not run again in a later round (the dry run itself still runs the train function and
+    fixes the loss and optimizer every round)."""
+    def hooks(m: nn.Module) -> tuple:
+        return tuple(getattr(h, "__code__", type(h)) for d in (m._forward_pre_hooks, m._forward_hooks,  # noqa: SLF001
+                                                                   m._backward_hooks, m._backward_pre_hooks)  # noqa: SLF001
+                     for h in d.values())
+
+    def tensor(t: torch.Tensor) -> tuple:
+        return tuple(t.shape), t.dtype, t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+
+    try:
+        key = (
+            per_sample.BACKEND, per_sample.model_kind(model) in per_sample.FUNC_FAILED,
+            tuple((type(m), getattr(m.forward, "__func__", m.forward), hooks(m)) for m in model.modules()),
+            tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad) for n, p in model.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()),
+            tuple(sorted(modes.items())),
+            tuple(tensor(t) for t in _tensors_of(batch)),
+            call.func, call.reduction, call.inputs, call.target, call.rest, call.k,
+            tuple((k, tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in sorted(call.params.items())),
+        )
+        hash(key)
+    except TypeError:  # an argument that cannot be a key: checked every round
+        return None
+    return key
+
 
 
 def _check_buffers_constant(model: nn.Module, dataset: _SyntheticSet, loader: DataLoader, call: _LossCall | None,
@@ -258,9 +307,9 @@ def _check_buffers_constant(model: nn.Module, dataset: _SyntheticSet, loader: Da
     release without noise, and is refused; constant buffers (position ids) are fine."""
     import copy
 
-    check = copy.deepcopy(model)
-    if not any(True for _ in check.buffers()):
+    if next(model.buffers(), None) is None:
         return
+    check = copy.deepcopy(model)
     for name, m in check.named_modules():
         m.training = modes.get(name, m.training)
     before = {n: b.detach().clone() for n, b in check.named_buffers()}
