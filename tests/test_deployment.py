@@ -55,7 +55,9 @@ def federation(tmp_path):
     start([str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
            "--port", str(port), "--database", str(tmp_path / "state.db")], "superlink")
     for i in range(NODES):
-        node_cfg = f"partition-id={i} num-partitions={NODES} state-dir='{tmp_path / f'node{i}'}'"
+        # no owner policy: a real SuperNode then refuses unless it opts in to trusting the run
+        node_cfg = (f"partition-id={i} num-partitions={NODES} state-dir='{tmp_path / f'node{i}'}' "
+                    "policy='trust-run'")
         start([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
                "--port", str(free_port()), "--node-config", node_cfg], f"supernode{i}")
     try:
