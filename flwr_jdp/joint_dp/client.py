@@ -81,8 +81,8 @@ from flwr_jdp.joint_dp.owner_store import (
 )
 from flwr_jdp.joint_dp.release import public_personal_swapped
 from flwr_jdp.joint_dp.reply_rules import joint_dp_guard
-from flwr_jdp.joint_dp.secure_sum import inside_secure_sum
 from flwr_jdp.joint_dp.schedule import OwnerSize
+from flwr_jdp.joint_dp.secure_sum import inside_secure_sum
 from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
@@ -395,7 +395,7 @@ class JointDPClient:
         cfg = self.config(context)
         if _secure_only(cfg) and not inside_secure_sum():
             # the owner adds only a share of the noise its ledger charges: its vector may leave only masked
-            raise InstructionRefused(f"noise-placement='distributed' releases only inside the secure sum (SecAgg+ "
+            raise InstructionRefused("noise-placement='distributed' releases only inside the secure sum (SecAgg+ "
                                      "with flwr-jdp's checks); this train message came outside it (no SecAgg+ "
                                      "collect stage): the owner's noise share alone would reach the server")
         cfg_rec = msg.content.get(protocol.CONFIG)
@@ -539,7 +539,10 @@ def _add_mods(app: ClientApp, guard: ReplyGuard) -> None:
     :func:`~flwr_jdp.joint_dp.distributed.secure_sum_mod`, so that ``noise-placement =
     "distributed"`` needs no change to the user's ClientApp (it passes every other
     message through) and the guard sees the reply as it leaves; the guard's train check
-    again inside it, so what it sums is the release only. Handlers the app
+    again inside it, so what it sums is the release only. Under distributed noise an
+    owner releases only inside it (:func:`~flwr_jdp.joint_dp.secure_sum.inside_secure_sum`:
+    ``_train`` refuses, the guard drops, a train message that did not come through it).
+    Handlers the app
     registered before JointDPClient was created do not get the secure sum; their
     secure-aggregation messages fail with Flower's own error (the README creates
     JointDPClient first)."""

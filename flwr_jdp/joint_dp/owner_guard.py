@@ -27,6 +27,10 @@ own ledger of what it has released (:class:`OwnerLedger`) and refuses a release
 that would take it over its budget, whatever the server asks (extra rounds, a
 restarted session that re-runs a round).
 
+Under central noise and a node's own policy the same check and ledger apply to the
+release the trusted server claims for the owner's round (:func:`agreed_release`), so
+the policy's cap covers central runs too.
+
 Refusal fails closed: the owner trains nothing, releases nothing, records nothing,
 and its node replies with an error that names the reason (the server logs it and
 drops the owner for the round).
