@@ -276,11 +276,16 @@ def test_the_set_up_line():
 def test_central_noise_does_not_plan_for_caps_and_says_so(tmp_path, caplog):
     """Under central noise one server-side mechanism covers every owner at the target:
     the caps are reported but not planned for, with one warning naming the owners (a
-    node's policy must name central noise to trust the server with clipped sums)."""
+    node's policy must name central noise to trust the server with clipped sums). The
+    capped node charges the server's claimed noise to its ledger, so it refuses the
+    rounds that would take it over its cap (here the first); the uncapped owner trains."""
     rc = _config(tmp_path, **{"num-owners": 2, "num-rounds": 1, "noise-placement": "central"})
     strategy, grid = _run(rc, {1: {"max-epsilon": CAP, "noise-placements": "local,central"}}, tmp_path)
     assert strategy.owner_caps == {0: None, 1: CAP} and strategy.owner_noise == {}
-    assert not any(r.has_error() for r in _train_replies(grid))
+    replies = _train_replies(grid)
+    refused = [r for r in replies if r.has_error()]
+    assert refused and len(refused) < len(replies)
+    assert all("refused" in r.error.reason and "budget" in r.error.reason for r in refused), refused
     warned = [r.getMessage() for r in caplog.records if "max-epsilon" in r.getMessage()]
     assert len(warned) == 1 and "Owners [1]" in warned[0] and "not planned for" in warned[0]
     assert "owner_budgets" not in load_results(rc["results-dir"])

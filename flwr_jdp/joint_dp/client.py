@@ -82,6 +82,7 @@ from flwr_jdp.joint_dp.owner_store import (
 from flwr_jdp.joint_dp.release import public_personal_swapped
 from flwr_jdp.joint_dp.reply_rules import joint_dp_guard
 from flwr_jdp.joint_dp.schedule import OwnerSize
+from flwr_jdp.joint_dp.secure_sum import inside_secure_sum
 from flwr_jdp.params import ParamSplit, get_arrays, set_arrays, split_parameters
 from flwr_jdp.privacy.mechanisms import GaussianSumMechanism, clip_numpy, numpy_rng
 from flwr_jdp.privacy.units import NoisePlacement, PrivacyUnit
@@ -149,7 +150,7 @@ class JointDPClient:
         self.config_fn = config_fn or (lambda context: namespaced_config(context.run_config))
         self._key_prefix = "" if config_fn else f"{NAMESPACE}."  # how the user spells the keys
         _add_mods(app, joint_dp_guard(lambda context: self.config(context).effective_personal_rule,
-                                      admit=self._admit))
+                                      admit=self._admit, secure_only=lambda context: _secure_only(self.config(context))))
         app.query()(self._setup)
 
     # ------------------------------------------------------------------ set-up
@@ -392,6 +393,11 @@ class JointDPClient:
     def _train(self, msg: Message, context: Context, model: nn.Module, loader: DataLoader,
                train_fn: TrainFn, loss_fn: LossFn | None = None) -> Message:
         cfg = self.config(context)
+        if _secure_only(cfg) and not inside_secure_sum():
+            # the owner adds only a share of the noise its ledger charges: its vector may leave only masked
+            raise InstructionRefused("noise-placement='distributed' releases only inside the secure sum (SecAgg+ "
+                                     "with flwr-jdp's checks); this train message came outside it (no SecAgg+ "
+                                     "collect stage): the owner's noise share alone would reach the server")
         cfg_rec = msg.content.get(protocol.CONFIG)
         if not isinstance(cfg_rec, ConfigRecord):
             raise InstructionRefused(f"the train instruction has no '{protocol.CONFIG}' record: {NOT_JOINT_DP}")
@@ -405,7 +411,7 @@ class JointDPClient:
                                 "run)", structural=True)
         central = cfg.placement is not NoisePlacement.LOCAL  # one clipped sum, noised by others
         plan = self._dry_run(cfg, context, model, loader, train_fn, loss_fn, central)
-        charge_owners(cfg, context, {o: size}, {o: instruction}, session)  # local noise only
+        charge_owners(cfg, context, {o: size}, {o: instruction}, session)  # local; central under a policy
         split, shared = self._load(cfg, model, msg, context, session)
         release_model = (self._release_model(context, model, split, shared, self._public(context, split))
                          if cfg.dp and cfg.unit is not PrivacyUnit.OWNER else None)
@@ -524,13 +530,22 @@ class JointDPClient:
         return dict(zip(split.shared, delta, strict=True))
 
 
+def _secure_only(cfg: JobConfig) -> bool:
+    """Whether the run's owners release only inside flwr-jdp's secure sum (distributed noise:
+    each adds a share of the noise its ledger charges, safe only once summed and masked)."""
+    return cfg.dp and cfg.placement is NoisePlacement.DISTRIBUTED
+
+
 def _add_mods(app: ClientApp, guard: ReplyGuard) -> None:
     """Put the reply guard (:mod:`flwr_jdp.reply_guard`: nothing but the release leaves
     the node) first on ``app`` and around the handlers it already has, then
     :func:`~flwr_jdp.joint_dp.distributed.secure_sum_mod`, so that ``noise-placement =
     "distributed"`` needs no change to the user's ClientApp (it passes every other
     message through) and the guard sees the reply as it leaves; the guard's train check
-    again inside it, so what it sums is the release only. Handlers the app
+    again inside it, so what it sums is the release only. Under distributed noise an
+    owner releases only inside it (:func:`~flwr_jdp.joint_dp.secure_sum.inside_secure_sum`:
+    ``_train`` refuses, the guard drops, a train message that did not come through it).
+    Handlers the app
     registered before JointDPClient was created do not get the secure sum; their
     secure-aggregation messages fail with Flower's own error (the README creates
     JointDPClient first)."""

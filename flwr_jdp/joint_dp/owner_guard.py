@@ -27,6 +27,10 @@ own ledger of what it has released (:class:`OwnerLedger`) and refuses a release
 that would take it over its budget, whatever the server asks (extra rounds, a
 restarted session that re-runs a round).
 
+Under central noise and a node's own policy the same check and ledger apply to the
+release the trusted server claims for the owner's round (:func:`agreed_release`), so
+the policy's cap covers central runs too.
+
 Refusal fails closed: the owner trains nothing, releases nothing, records nothing,
 and its node replies with an error that names the reason (the server logs it and
 drops the owner for the round).
@@ -86,19 +90,29 @@ def owner_policy(context: Context, cfg: JobConfig) -> OwnerPolicy:
 
 def agreed_release(cfg: JobConfig, size: OwnerSize, max_epsilon: float | None = None,
                    delta: float | None = None) -> AgreedRelease:
-    """The release an owner of ``size`` accepts under the run config ``cfg`` (local
-    noise), with its budget capped by its node's ``max_epsilon`` if given, accounted
-    at its policy's ``delta`` (default: the run's)."""
-    if cfg.placement is not NoisePlacement.LOCAL:
-        raise ValueError("owners check the server's instructions under local noise only")
-    schedule = build_schedule(cfg, {0: size})
+    """The release an owner of ``size`` accepts under the run config ``cfg``, with its
+    budget capped by its node's ``max_epsilon`` if given, accounted at its policy's
+    ``delta`` (default: the run's).
+
+    Local noise: the owner's own DP-SGD schedule. Central noise (charged under a node's
+    own policy only): the release the trusted server claims for the owner's round, one
+    Poisson sample of its units at the rate the instruction names (the rate it samples
+    at), one step, its clipped sum noised by the server with the instruction's ``z``:
+    ``PoissonSampled(q, Gaussian(z))``; owner unit ``Gaussian(z)`` (its clipped update,
+    no amplification claimed). The owner cannot see that noise added: its ledger
+    records the server's claim."""
+    if cfg.placement is NoisePlacement.DISTRIBUTED:
+        raise ValueError("distributed noise is agreed in flwr_jdp.joint_dp.distributed.agreed_distributed")
     budget = cfg.target_epsilon if max_epsilon is None else min(cfg.target_epsilon, float(max_epsilon))
-    return AgreedRelease(
-        unit=cfg.unit, max_sample_rate=float(schedule.owner_rates[0]),
-        max_steps=int(schedule.owner_steps[0]), fixed_noise=float(cfg.noise_multiplier),
-        rounds=int(cfg.num_rounds), budget=float(budget), delta=float(cfg.delta if delta is None else delta),
-        accountant=cfg.accountant, neighbouring=cfg.neighbouring,
-    )
+    common = {"unit": cfg.unit, "fixed_noise": float(cfg.noise_multiplier), "rounds": int(cfg.num_rounds),
+              "budget": float(budget), "delta": float(cfg.delta if delta is None else delta),
+              "accountant": cfg.accountant, "neighbouring": cfg.neighbouring}
+    if cfg.placement is NoisePlacement.CENTRAL:
+        return AgreedRelease(max_sample_rate=1.0, max_steps=1, rate_from="a probability",
+                             steps_from="one clipped sum per round under central noise", **common)
+    schedule = build_schedule(cfg, {0: size})
+    return AgreedRelease(max_sample_rate=float(schedule.owner_rates[0]), max_steps=int(schedule.owner_steps[0]),
+                         **common)
 
 
 __all__ = ["SELF_SCOPE", "TERM_KEYS", "TOLERANCE", "AgreedRelease", "Instruction", "InstructionRefused",

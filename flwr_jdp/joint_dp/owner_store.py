@@ -212,16 +212,22 @@ def charge_owners(cfg: JobConfig, context: Context, sizes: dict[int, OwnerSize],
                   instructions: dict[int, Instruction], session: str) -> None:
     """Every placement: the run is held to the node's policy before any data is read
     (:func:`~flwr_jdp.joint_dp.owner_guard.owner_policy`; :class:`InstructionRefused`
-    if it breaks it). Local noise: every owner then checks its instruction against what
-    it agreed to and against its own ledger, then records the release in its ledger
-    and saves it, before anything is trained (:func:`flwr_jdp.privacy.guard.charge`).
-    Any refusal refuses the whole message (nothing is recorded, trained or sent).
-    ``session`` is noted in the ledger; it does not select it. With its node's policy
-    every owner charges the node's one ledger, against ``min(max-epsilon,
-    target-epsilon)``, accounted at the policy's delta (distributed noise charges in
-    :func:`~flwr_jdp.joint_dp.distributed.charge_distributed`)."""
+    if it breaks it). Local noise, and central noise under a node's own policy: every
+    owner then checks its instruction against what it agreed to
+    (:func:`~flwr_jdp.joint_dp.owner_guard.agreed_release`) and against its ledger, then
+    records the release in its ledger and saves it, before anything is trained
+    (:func:`flwr_jdp.privacy.guard.charge`). Any refusal refuses the whole message
+    (nothing is recorded, trained or sent). ``session`` is noted in the ledger; it does
+    not select it. With its node's policy every owner charges the node's one ledger,
+    against ``min(max-epsilon, target-epsilon)``, accounted at the policy's delta, so the
+    cap covers every run on the node's ``state-dir``, central ones included (their event
+    is the noise the trusted server claims to add). Without a policy a central release is
+    not charged here (the run config is trusted; the server's ledger accounts it).
+    Distributed noise charges in :func:`~flwr_jdp.joint_dp.distributed.charge_distributed`."""
     policy = owner_policy(context, cfg)
-    if not (cfg.dp and cfg.placement is NoisePlacement.LOCAL):
+    if not cfg.dp or cfg.placement is NoisePlacement.DISTRIBUTED:
+        return
+    if cfg.placement is NoisePlacement.CENTRAL and policy.trusts_run:
         return
     requests = {o: (agreed_release(cfg, sizes[o], policy.max_epsilon, policy.delta), instruction)
                 for o, instruction in instructions.items()}

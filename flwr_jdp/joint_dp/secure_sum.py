@@ -61,6 +61,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from logging import INFO, WARNING
 from typing import cast
 
@@ -99,6 +100,10 @@ SURVIVORS = "flwr-jdp.survivors"
 PEERS = "flwr-jdp.confirmation-peers"
 CONFIRMATIONS = "flwr-jdp.confirmations"
 
+#: Set while :func:`secure_sum_mod` runs the app's train handler at SecAgg+'s collect stage
+#: (the reply is summed and masked there, never sent as it is); read by :func:`inside_secure_sum`.
+_INSIDE: ContextVar[bool] = ContextVar("flwr_jdp_inside_secure_sum", default=False)
+
 _LEFT = "left"  # the node refused or failed a stage: nothing but a new set-up until the next session
 _ORDER = [*Stage.all()[:3], CONSISTENCY, Stage.UNMASK]
 _LABEL = b"flwr-jdp secure-sum consistency v1"
@@ -114,6 +119,14 @@ def minimum_threshold(nodes: int) -> int:
     ``nodes`` nodes: more than half of them (two disjoint sets cannot both reach it) and
     at least :data:`MIN_NODES`."""
     return max(MIN_NODES, nodes // 2 + 1)
+
+
+def inside_secure_sum() -> bool:
+    """Whether the caller runs inside :func:`secure_sum_mod`'s collect stage: the train
+    handler's reply is summed over the node's owners and masked by SecAgg+ before it
+    leaves, never sent as it is. Under distributed noise an owner releases only there
+    (its noise share alone is far less than the noise its ledger charges)."""
+    return _INSIDE.get()
 
 
 def _check_setup(rec: ConfigRecord) -> None:
@@ -296,7 +309,9 @@ def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message,
     collect stage the app's train handler runs (through the app's other mods) and the sum
     of its reply's arrays (one record per owner the node hosts, each already an element
     vector modulo :data:`MODULUS`) is what SecAgg+ masks. The reply then carries nothing
-    else: no per-owner count or metric. Other messages pass through.
+    else: no per-owner count or metric. Other messages pass through; the train handler
+    knows it runs here (:func:`inside_secure_sum`), and under distributed noise an owner
+    releases nowhere else.
     :class:`~flwr_jdp.client.JointDPClient` puts it first on the user's ClientApp."""
     if msg.metadata.message_type != MessageType.TRAIN or RECORD_KEY_CONFIGS not in msg.content.config_records:
         return call_next(msg, context)
@@ -316,7 +331,11 @@ def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message,
         return Message(confirmed, reply_to=msg)
 
     def train(inner: Message, ctx: Context) -> Message:
-        reply = call_next(inner, ctx)
+        token = _INSIDE.set(True)
+        try:
+            reply = call_next(inner, ctx)
+        finally:
+            _INSIDE.reset(token)
         if reply.has_error():  # refused or failed: this node drops out of the secure sum
             raise RuntimeError(reply.error.reason)
         cfg_rec = inner.content.config_records.get(protocol.CONFIG)
@@ -352,4 +371,4 @@ def secure_sum_mod(msg: Message, context: Context, call_next: Callable[[Message,
 
 
 __all__ = ["CONFIRMATIONS", "CONSISTENCY", "MIN_NODES", "PEERS", "STATE", "SURVIVORS", "SecureSumRefused",
-           "confirmation", "minimum_threshold", "secure_sum_mod"]
+           "confirmation", "inside_secure_sum", "minimum_threshold", "secure_sum_mod"]

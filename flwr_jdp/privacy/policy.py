@@ -26,7 +26,8 @@ node keeps one ledger for every owner it hosts (``<state-dir>/owners/ledger-node
 :class:`~flwr_jdp.privacy.guard.LedgerStore`): which owners a node hosts and which of
 its records each holds is the run's choice (``num-owners``, the partition), which the
 node cannot verify is disjoint, so every release it makes is composed sequentially
-against the cap. The ledger records the policy's unit, relation and delta, is always
+against the cap, central ones included (charged as the noise the trusted server claims
+to add: :func:`~flwr_jdp.joint_dp.owner_guard.agreed_release`). The ledger records the policy's unit, relation and delta, is always
 accounted at the policy's delta, and is read and written under a lock across
 processes (runs served at the same time share it).
 

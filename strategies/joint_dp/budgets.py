@@ -44,7 +44,8 @@ class OwnerBudgets:
             if capped:
                 log(WARNING, "Owners %s set node config '%s' below target-epsilon; under noise-placement="
                     "'%s' one mechanism covers every owner at target-epsilon=%g, so their caps are not "
-                    "planned for (only noise-placement='local' plans a budget per owner)",
+                    "planned for: their nodes charge each round to their ledgers and refuse the rounds that "
+                    "would take them over their caps (only noise-placement='local' plans a budget per owner)",
                     capped[:10], NODE_KEY, cfg.noise_placement, cfg.target_epsilon)
             return
         groups = plan_budgets(cfg, self.schedule, self.owner_caps, self.noise_multiplier)
