@@ -409,6 +409,7 @@ class JointDPClient:
         if isinstance(refused, ConfigRecord):  # the same code would break the same rule: spend nothing
             raise UserLoopError(f"{refused['reason']} (in an earlier round of this run: fix it and start a new "
                                 "run)", structural=True)
+        owner_policy(context, cfg)  # the node's policy first: a run it refuses runs none of the user's code
         central = cfg.placement is not NoisePlacement.LOCAL  # one clipped sum, noised by others
         plan = self._dry_run(cfg, context, model, loader, train_fn, loss_fn, central)
         charge_owners(cfg, context, {o: size}, {o: instruction}, session)  # local; central under a policy
