@@ -1180,3 +1180,100 @@ def test_the_vectorised_pass_puts_state_back_for_each_chunk(monkeypatch):
     assert net.center.item() == 0.0
     alone = torch.cat([per_record(copy.deepcopy(net), x[i:i + 1], y[i:i + 1]) for i in range(6)])
     torch.testing.assert_close(together, alone)
+
+
+# ------------------------------------ records as NumPy arrays: the dry run (review 2, A1)
+class _NumpyTable(torch.utils.data.Dataset):
+    """The usual tabular Dataset: rows of NumPy arrays (float32 features, an int64 label),
+    and optionally a value of another type."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, extra: object = None) -> None:
+        self.x, self.y, self.extra = x, y, extra
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):  # noqa: ANN204
+        return (self.x[i], self.y[i]) if self.extra is None else (self.x[i], self.y[i], self.extra)
+
+
+def _numpy_loader(nan_first: bool, extra: object = None) -> DataLoader:
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(N, 4)) + 7).astype(np.float32)  # every value outside [0, 1]
+    y = rng.integers(0, 2, size=N).astype(np.int64)
+    if nan_first:
+        x[0, 2] = np.nan  # one missing value in record 0
+    return DataLoader(_NumpyTable(x, y, extra), batch_size=8)
+
+
+def test_the_dry_run_reads_none_of_the_records_when_they_are_numpy_arrays():
+    """Records as NumPy arrays are replaced by synthetic ones on the dry run (floats in
+    [0, 1], labels 0): a loop that stops on a non-finite loss replies on both neighbours
+    (record 0 clean, or holding a NaN), and the first batch the train function sees (the
+    dry run's) holds none of the owner's values; a record holding a type the pass cannot
+    synthesize is refused whatever its value, naming the fix."""
+    seen: list[torch.Tensor] = []
+
+    def careful(net: nn.Module, loader: DataLoader) -> None:
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        for x, y in loader:
+            seen.append(x.clone())
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            if not torch.isfinite(loss):  # ordinary code: stop on a non-finite loss
+                raise FloatingPointError("non-finite loss")
+            loss.backward()
+            opt.step()
+
+    for nan_first in (False, True):
+        seen.clear()
+        reply = _round("local", careful, _numpy_loader(nan_first))
+        assert np.isfinite(_release(reply)).all()
+        assert seen and bool(((seen[0] >= 0) & (seen[0] <= 1)).all())  # the dry run's batch: synthetic
+    for extra in (object(), object()):
+        _refused(_round("local", careful, _numpy_loader(False, extra)),
+                 "holds a value of type object, which the DP pass cannot replace by a synthetic value")
+
+
+# --------------------------------- the owner unit: whether it replies (review 2, A2)
+def _owner_round(placement: str, train_fn, loader: DataLoader) -> Message:  # noqa: ANN001
+    config = dict(_config(placement), **{"jdp.privacy-unit": "owner"})
+    app, jdp, ctx, loader = _client_node(config, loader)
+    torch.manual_seed(0)
+    _, _, train = _setup_and_instruction(app, ctx, Z, 1.0, 1)
+    torch.manual_seed(0)
+    return jdp.train(train, ctx, Tiny(), loader, train_fn)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_owner_unit_replies_whatever_its_data(placement, caplog):
+    """Owner unit: a NaN in one record (plain SGD spreads it to every weight) or an
+    exception of the train function on the owner's data makes the update zero, logged on
+    the node: the owner replies on both neighbours, the release is the noise alone (under
+    local noise; zero under central), and it moves by at most C, the owner unit's
+    sensitivity."""
+    def nan_loader(nan: bool) -> DataLoader:
+        x, y = (t.clone() for t in _neighbours(0)[0].dataset.tensors)
+        if nan:
+            x[5, 1] = float("nan")
+        return DataLoader(TensorDataset(x, y), batch_size=8)
+
+    def raises_on_outliers(net: nn.Module, loader: DataLoader) -> None:
+        for x, _ in loader:
+            if float(x.abs().max()) > 10:
+                raise ValueError("an outlier")
+        _sgd_loop()(net, loader)
+
+    clean = _release(_owner_round(placement, _sgd_loop(), nan_loader(False)))
+    noise_only = _release(_owner_round(placement, lambda net, loader: None, nan_loader(False)))
+    with caplog.at_level("WARNING", logger="flwr"):
+        nan = _release(_owner_round(placement, _sgd_loop(), nan_loader(True)))
+        x, y = (t.clone() for t in nan_loader(False).dataset.tensors)
+        x[3] = 100.0
+        raised = _release(_owner_round(placement, raises_on_outliers, DataLoader(TensorDataset(x, y), batch_size=8)))
+    np.testing.assert_array_equal(nan, noise_only)
+    np.testing.assert_array_equal(raised, noise_only)
+    assert 0 < np.linalg.norm(clean - nan) <= CLIP * (1 + 1e-4)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("Owner-unit update set to zero" in m and "non-finite" in m for m in logged)
+    assert any("Owner-unit update set to zero" in m and "ValueError" in m for m in logged)
