@@ -11,6 +11,8 @@ releases, with noise of the planned size (``tests/test_dropin.py``).
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -1057,3 +1059,221 @@ def test_a_record_whose_loss_raises_changes_neither_whether_the_owner_replies_no
             assert np.isfinite(_release(jdp.train(train, ctx, _TanhTiny(), loader, loop, **kw))).all()
     assert any("a record's gradient was set to zero" in r.getMessage() for r in caplog.records)
     assert "jdp.refused.0" not in ctx.state
+
+
+# ----------------------------- state a model keeps outside its buffers (review 2, A5)
+class _RunningCentre(_TanhTiny):
+    """Shifts its inputs by a running sum of the training inputs, kept in a plain float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.center = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.center = self.center + float(x.detach().mean())
+        return super().forward(x - self.center)
+
+
+class _Seen(_TanhTiny):
+    """Keeps each training batch's mean in a list, and shifts its inputs by their mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen.append(x.detach().mean())
+        return super().forward(x - torch.stack(self.seen).mean() if self.seen else x)
+
+
+class _CountsInPlace(_TanhTiny):
+    """A submodule's plain tensor attribute (not a buffer) updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body.total = torch.zeros(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.body.total.add_(x.detach().sum(0))
+        return super().forward(x - 1e-3 * self.body.total)
+
+
+@pytest.mark.parametrize("model_fn,name", [(_RunningCentre, "center"), (_Seen, "seen"),
+                                           (_CountsInPlace, "body.total")], ids=["float", "list", "tensor"])
+def test_state_the_forward_pass_keeps_in_attributes_is_refused_on_the_dry_run(model_fn, name):
+    """A forward pass that changes an attribute holding state (a number, a list of tensors,
+    a plain tensor in place) would carry one record into the others' gradients: refused on
+    the dry run (synthetic records, whatever the data), naming the attribute, before the
+    owner is charged."""
+    app, jdp, ctx, loader = _client_node(_config("local"), model_fn=model_fn)
+    _, _, train = _setup_and_instruction(app, ctx, Z, Q, 1, model_fn=model_fn)
+    reply = jdp.train(train, ctx, model_fn(), loader, _personal_fit_then(_sgd_loop()))
+    _refused(reply, f"changes its attribute(s) ['{name}']")
+    assert "ledger.0" not in ctx.state
+
+
+class _TriggeredCentre(_RunningCentre):
+    """The running sum, updated only by a batch holding a value beyond 10: the synthetic
+    records (in [0, 1]) never trigger it, an outlier record does (micro-batches of one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and float(x.detach().abs().max()) > 10:
+            self.center = self.center + float(x.detach().mean())
+        return _TanhTiny.forward(self, x - self.center)
+
+
+class _TriggeredTensor(_TanhTiny):
+    """The same as a tensor, vmap-traceable (the vectorised pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.center = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = x.detach() + 0 * x
+            self.center = self.center + torch.where(x.abs().amax() > 10, x.mean(), 0.0)
+        return super().forward(x - self.center)
+
+
+@pytest.mark.parametrize("placement,model_fn", [("local", _TriggeredCentre), ("central", _TriggeredCentre),
+                                                ("local", _TriggeredTensor)],
+                         ids=["local-micro", "central-micro", "local-vmap"])
+def test_state_only_the_owners_data_changes_is_put_back_within_the_bound(placement, model_fn, monkeypatch):
+    """A state change the synthetic records do not trigger passes the dry run; the release
+    pass puts the model's state back after each record's (micro-batches) or batch's
+    (vmap) computation, so an outlier record moves the release by at most the DP-SGD
+    sensitivity on neighbouring data sets (without it: 1.4x the bound)."""
+    from flwr_jdp.training import per_sample
+
+    monkeypatch.setattr(per_sample, "FUNC_FAILED", {})
+    move = _max_move(placement, _personal_fit_then(_sgd_loop()), model_fn, outlier=True, stride=4)
+    assert 0 < move <= _bound(placement) * (1 + 1e-4)
+
+
+def test_the_vectorised_pass_puts_state_back_for_each_chunk(monkeypatch):
+    """In chunks of two records, each record's gradient by the vectorised pass equals its
+    gradient computed alone on the model as it came, though an outlier in the first chunk
+    changes the model's state; the state is as it came after the pass."""
+    from flwr_jdp.training import per_sample
+
+    monkeypatch.setattr(per_sample, "CHUNK", 2)
+    torch.manual_seed(0)
+    net = _TriggeredTensor()
+    x, y = torch.rand(6, 4), torch.tensor([0, 1, 0, 1, 0, 1])
+    x[0] = 100.0
+
+    def loss_one(out: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, yi.unsqueeze(0))
+
+    def per_record(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        engine = per_sample.FuncPerSample(model, set_train=True)
+        engine._per_record((xs,), ys, loss_one, len(ys), randomness="different")  # noqa: SLF001
+        rows = [p.grad_sample.materialize() if isinstance(p.grad_sample, per_sample.OuterProducts)
+                else p.grad_sample for p in model.parameters()]
+        return torch.cat([g.reshape(len(ys), -1) for g in rows], 1)
+
+    together = per_record(net, x, y)
+    assert net.center.item() == 0.0
+    alone = torch.cat([per_record(copy.deepcopy(net), x[i:i + 1], y[i:i + 1]) for i in range(6)])
+    torch.testing.assert_close(together, alone)
+
+
+# ------------------------------------ records as NumPy arrays: the dry run (review 2, A1)
+class _NumpyTable(torch.utils.data.Dataset):
+    """The usual tabular Dataset: rows of NumPy arrays (float32 features, an int64 label),
+    and optionally a value of another type."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, extra: object = None) -> None:
+        self.x, self.y, self.extra = x, y, extra
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):  # noqa: ANN204
+        return (self.x[i], self.y[i]) if self.extra is None else (self.x[i], self.y[i], self.extra)
+
+
+def _numpy_loader(nan_first: bool, extra: object = None) -> DataLoader:
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(N, 4)) + 7).astype(np.float32)  # every value outside [0, 1]
+    y = rng.integers(0, 2, size=N).astype(np.int64)
+    if nan_first:
+        x[0, 2] = np.nan  # one missing value in record 0
+    return DataLoader(_NumpyTable(x, y, extra), batch_size=8)
+
+
+def test_the_dry_run_reads_none_of_the_records_when_they_are_numpy_arrays():
+    """Records as NumPy arrays are replaced by synthetic ones on the dry run (floats in
+    [0, 1], labels 0): a loop that stops on a non-finite loss replies on both neighbours
+    (record 0 clean, or holding a NaN), and the first batch the train function sees (the
+    dry run's) holds none of the owner's values; a record holding a type the pass cannot
+    synthesize is refused whatever its value, naming the fix."""
+    seen: list[torch.Tensor] = []
+
+    def careful(net: nn.Module, loader: DataLoader) -> None:
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        for x, y in loader:
+            seen.append(x.clone())
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            if not torch.isfinite(loss):  # ordinary code: stop on a non-finite loss
+                raise FloatingPointError("non-finite loss")
+            loss.backward()
+            opt.step()
+
+    for nan_first in (False, True):
+        seen.clear()
+        reply = _round("local", careful, _numpy_loader(nan_first))
+        assert np.isfinite(_release(reply)).all()
+        assert seen and bool(((seen[0] >= 0) & (seen[0] <= 1)).all())  # the dry run's batch: synthetic
+    for extra in (object(), object()):
+        _refused(_round("local", careful, _numpy_loader(False, extra)),
+                 "holds a value of type object, which the DP pass cannot replace by a synthetic value")
+
+
+# --------------------------------- the owner unit: whether it replies (review 2, A2)
+def _owner_round(placement: str, train_fn, loader: DataLoader) -> Message:  # noqa: ANN001
+    config = dict(_config(placement), **{"jdp.privacy-unit": "owner"})
+    app, jdp, ctx, loader = _client_node(config, loader)
+    torch.manual_seed(0)
+    _, _, train = _setup_and_instruction(app, ctx, Z, 1.0, 1)
+    torch.manual_seed(0)
+    return jdp.train(train, ctx, Tiny(), loader, train_fn)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_owner_unit_replies_whatever_its_data(placement, caplog):
+    """Owner unit: a NaN in one record (plain SGD spreads it to every weight) or an
+    exception of the train function on the owner's data makes the update zero, logged on
+    the node: the owner replies on both neighbours, the release is the noise alone (under
+    local noise; zero under central), and it moves by at most C, the owner unit's
+    sensitivity."""
+    def nan_loader(nan: bool) -> DataLoader:
+        x, y = (t.clone() for t in _neighbours(0)[0].dataset.tensors)
+        if nan:
+            x[5, 1] = float("nan")
+        return DataLoader(TensorDataset(x, y), batch_size=8)
+
+    def raises_on_outliers(net: nn.Module, loader: DataLoader) -> None:
+        for x, _ in loader:
+            if float(x.abs().max()) > 10:
+                raise ValueError("an outlier")
+        _sgd_loop()(net, loader)
+
+    clean = _release(_owner_round(placement, _sgd_loop(), nan_loader(False)))
+    noise_only = _release(_owner_round(placement, lambda net, loader: None, nan_loader(False)))
+    with caplog.at_level("WARNING", logger="flwr"):
+        nan = _release(_owner_round(placement, _sgd_loop(), nan_loader(True)))
+        x, y = (t.clone() for t in nan_loader(False).dataset.tensors)
+        x[3] = 100.0
+        raised = _release(_owner_round(placement, raises_on_outliers, DataLoader(TensorDataset(x, y), batch_size=8)))
+    np.testing.assert_array_equal(nan, noise_only)
+    np.testing.assert_array_equal(raised, noise_only)
+    assert 0 < np.linalg.norm(clean - nan) <= CLIP * (1 + 1e-4)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("Owner-unit update set to zero" in m and "non-finite" in m for m in logged)
+    assert any("Owner-unit update set to zero" in m and "ValueError" in m for m in logged)

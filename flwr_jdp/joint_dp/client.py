@@ -52,7 +52,6 @@ under the run config's ``jdp.*`` keys (:func:`flwr_jdp.joint_dp.config.namespace
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from logging import ERROR, WARNING
 
@@ -517,17 +516,31 @@ class JointDPClient:
                        train_fn: TrainFn, z: float, generator: torch.Generator) -> dict[str, np.ndarray]:
         """Owner unit: the whole model trained by ``train_fn``; the shared update
         clipped to ``C`` (sensitivity ``C``: one owner), plus ``N(0, (z C)^2)`` under
-        local noise (the server adds it under central noise)."""
-        before = get_arrays(model, split.shared)
-        train_fn(model, loader)
+        local noise (the server adds it under central noise). Where ``train_fn`` raises or
+        leaves a non-finite update (a diverging loss, a NaN in the owner's data) the update
+        is zero and the model is put back as it came (logged on the node only; the noise is
+        still added): a zero update is within the clipping bound, so the sensitivity is
+        unchanged, and whether the owner replies does not depend on its data."""
+        before = get_arrays(model, tuple(n for n, _ in model.named_parameters()))
+        failed = None
+        try:
+            train_fn(model, loader)
+        except Exception as err:  # noqa: BLE001 - the user's code on the owner's data; its message stays here
+            failed = f"the train function raised {type(err).__name__}: {err}"
         after = get_arrays(model, split.shared)
-        delta = clip_numpy([after[n] - before[n] for n in split.shared], cfg.clipping_norm)
+        delta = [after[n] - before[n] for n in split.shared]
+        if failed is None and not all(np.all(np.isfinite(d)) for d in delta):
+            failed = "the owner's update is non-finite (a diverging loss, or a non-finite value in the data?)"
+        if failed is not None:
+            log(WARNING, "Owner-unit update set to zero (noise still added under local noise; nothing of this "
+                "is sent): %s", failed)
+            set_arrays(model, before)
+            delta = [np.zeros_like(before[n]) for n in split.shared]
+        delta = clip_numpy(delta, cfg.clipping_norm)
         if cfg.placement is NoisePlacement.LOCAL:
             mech = GaussianSumMechanism(z, cfg.clipping_norm, 1.0, secure=cfg.secure_noise)
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
             delta = mech.release_numpy(delta, numpy_rng(seed))
-        if not math.isfinite(float(sum(float(np.sum(d)) for d in delta))):
-            raise UserLoopError("the owner's update is non-finite (a diverging or non-finite loss?)")
         return dict(zip(split.shared, delta, strict=True))
 
 

@@ -55,6 +55,8 @@ from torch._functorch.autograd_function import custom_function_call
 from torch.func import functional_call, grad, vmap
 from torch.overrides import TorchFunctionMode
 
+from .model_state import ModelState
+
 #: ``auto``: torch.func, with a fallback for the model classes it fails on (flwr-jdp's
 #: own trainer: Opacus's hooks; the drop-in DP pass: micro-batches of one record);
 #: ``func``: torch.func only (a failure raises); ``opacus``: Opacus's hooks only in
@@ -115,10 +117,22 @@ class FuncPerSample:
         """``vmap`` over the records of ``grad(loss_one(f(x_i), targets[i]))``: sets
         ``grad_sample`` of every trainable parameter (``trainable``: these names;
         default: those with ``requires_grad``); returns the per-record losses and
-        keeps each record's output, computed alone, in :attr:`outputs`."""
+        keeps each record's output, computed alone, in :attr:`outputs`. The model's
+        buffers and state attributes (:class:`~flwr_jdp.training.model_state.ModelState`)
+        are put back before each chunk and after the pass: a forward that updates them
+        carries no record into another chunk or a later batch."""
+        state = ModelState(self.model)  # put back for each chunk and after the pass
+        try:
+            return self._vectorised(inputs, targets, loss_one, n, randomness, trainable, state)
+        finally:
+            state.restore()
+
+    def _vectorised(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_one,  # noqa: ANN001
+                    n: int, randomness: str, trainable: set[str] | None, state: ModelState) -> torch.Tensor:
         if self.single_row_linear is None:
             self.single_row_linear = _single_row_linear_weights(self.model, self.params,
                                                                 tuple(x[:1] for x in inputs))
+            state.restore()
         if trainable is None:
             trainable = {k for k, p in self.params.items() if p.requires_grad}
         factored = {k for k in self.single_row_linear if k in trainable and k not in self.summed}
@@ -132,6 +146,7 @@ class FuncPerSample:
 
         def loss_of_one(w: dict[str, torch.Tensor], zero: dict[str, torch.Tensor], target: torch.Tensor,
                         *xs: torch.Tensor):
+            state.restore(compare=False)  # each chunk from the state the batch began with
             mode.zero, mode.inputs = zero, {}
             out = functional_call(model, {**const, **w}, tuple(x.unsqueeze(0) for x in xs))
             loss = loss_one(out, target)
@@ -403,14 +418,15 @@ def record_by_record(model: nn.Module, params: dict[str, nn.Parameter], n: int,
     """Each record's gradient computed on the record alone (micro-batches of one):
     ``term(i)`` runs record ``i``'s forward pass and loss term with nothing else in the
     batch and returns ``(loss, output)``; the gradient of that loss in ``params`` is row
-    ``i`` of their ``grad_sample``. The model's buffers are put back after each record
-    (a forward that updates one cannot carry a record into the next), ``.grad`` is never
+    ``i`` of their ``grad_sample``. The model's buffers and state attributes
+    (:class:`~flwr_jdp.training.model_state.ModelState`) are put back after each record
+    (a forward that updates them cannot carry a record into the next), ``.grad`` is never
     touched. Returns the records' outputs, stacked. With ``on_error``, a record whose
     forward or backward raises has a zero row and ``on_error(i, err)`` as its output
     (else the exception propagates)."""
     names = list(params)
     flags = {k: p.requires_grad for k, p in params.items()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    state = ModelState(model)
     rows: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     outputs = []
     try:
@@ -431,10 +447,9 @@ def record_by_record(model: nn.Module, params: dict[str, nn.Parameter], n: int,
             for k, g in zip(names, grads, strict=True):
                 rows[k].append(torch.zeros_like(params[k]) if g is None else g.detach())
             outputs.append(out.detach())
-            with torch.no_grad():
-                for b, value in buffers:
-                    b.copy_(value)
+            state.restore()
     finally:
+        state.restore()
         for k, p in params.items():
             p.requires_grad_(flags[k])
     for k in names:

@@ -11,6 +11,7 @@ import torch
 from flwr.common import log
 from torch import nn
 
+from ..model_state import state_kept
 from .batches import BY_ROWS_HINT, _not_by_rows, _source
 from .capture_types import PendingOutput, _Forward, _LossCall, _pending
 from .common import UserLoopError, _same_setting, _settings, new_optimizer
@@ -85,7 +86,7 @@ class _DPPass(_PerRecord, _DPStep):
                  draw: int | None = None) -> PendingOutput:
         draw = self.sampler.drawn if draw is None else draw
         if n == 0:
-            with torch.no_grad():
+            with torch.no_grad(), state_kept(module):
                 values = module(*inputs)
             fwd = _Forward(inputs, sources, draw, values, filled=True)
         else:
@@ -96,7 +97,7 @@ class _DPPass(_PerRecord, _DPStep):
     def _record_shape(self, module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple:
         key = (self.kind, *((tuple(a.shape[1:]), a.dtype, a.device) for a in inputs))
         if key not in self.shapes:
-            with torch.no_grad():
+            with torch.no_grad(), state_kept(module):  # record 0's forward leaves nothing on the model
                 one = module(*(a[:1] for a in inputs))
             if not isinstance(one, torch.Tensor) or one.dim() == 0 or one.shape[0] != 1:
                 self.refuse("without loss_fn the model's output must be one tensor with a row per record (a tuple, "
@@ -108,7 +109,7 @@ class _DPPass(_PerRecord, _DPStep):
         """The output's values, for a use other than a loss function (one plain forward)."""
         if fwd.filled:
             return
-        with torch.no_grad():
+        with torch.no_grad(), state_kept(self.shown_model):
             fwd.values.copy_(self.shown_model(*fwd.inputs))
         fwd.filled = True
 

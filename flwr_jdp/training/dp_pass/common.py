@@ -7,6 +7,8 @@ import inspect
 
 import torch
 
+from ..model_state import equal_tensors
+
 
 class UserLoopError(RuntimeError):
     """The user's training loop does something DP-SGD cannot account for.
@@ -18,12 +20,7 @@ class UserLoopError(RuntimeError):
         self.structural = structural
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if b.device != a.device:
-        b = b.to(a.device)
-    if torch.equal(a, b):
-        return True
-    return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+_equal = equal_tensors
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> list[dict]:

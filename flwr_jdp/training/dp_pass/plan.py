@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from logging import WARNING
 
+import numpy as np
 import torch
 from flwr.common import log
 from torch import nn
@@ -17,10 +18,11 @@ from torch.utils.data import DataLoader
 
 from .. import per_sample
 from ..dp_sgd import UnitBatch
+from ..model_state import ModelState
 from .batches import BY_ROWS_HINT, PoissonBatches, PoissonLoader, _not_by_rows, _tensors_of
 from .capture import LOSS_FN_HINT, PrivateModule, _discarding_closure, _DPPass
 from .capture_types import _LossCall
-from .common import UserLoopError, _equal, _settings
+from .common import UserLoopError, _settings
 from .gradients import LossFn
 
 
@@ -61,25 +63,50 @@ class _LossFnDry(_DPPass):
         pass
 
 
+#: The value of every string of a synthetic record.
+PLACEHOLDER = "synthetic"
+
+
 def _synthetic(item, generator: torch.Generator):  # noqa: ANN001, ANN202
-    """``item`` (one record, as the data set gives it) with its values replaced: floats
-    drawn from U(0, 1), integers and booleans zero, values every torch loss accepts as a
-    target (a probability for ``BCELoss``, class 0 for ``CrossEntropyLoss`` and
-    ``NLLLoss``) and that tell the float tensors apart. Only the structure, shapes and
-    dtypes of the owner's data are kept."""
+    """``item`` (one record, as the data set gives it) with its values replaced, torch
+    tensors and NumPy arrays alike (same shapes and dtypes): floats drawn from U(0, 1),
+    integers and booleans zero, values every torch loss accepts as a target (a
+    probability for ``BCELoss``, class 0 for ``CrossEntropyLoss`` and ``NLLLoss``) and
+    that tell the float tensors apart; strings :data:`PLACEHOLDER`. Only the structure,
+    shapes and dtypes of the owner's data are kept: a value of any other type (an image
+    object, a custom class) is refused, whatever the data (its type is the data set's
+    code), as the dry run cannot replace it and must read none of the owner's data."""
     if isinstance(item, torch.Tensor):
         if item.is_floating_point():
             return torch.rand(item.shape, generator=generator, dtype=item.dtype)
         return torch.zeros_like(item)
+    if isinstance(item, np.ndarray | np.generic) and item.dtype.kind in "fiubc":
+        if item.dtype.kind == "f":
+            values = torch.rand(item.shape, generator=generator, dtype=torch.float64).numpy().astype(item.dtype)
+        else:
+            values = np.zeros(item.shape, dtype=item.dtype)
+        return values if isinstance(item, np.ndarray) else values[()]
+    if isinstance(item, np.ndarray) and item.dtype.kind == "U":
+        return np.full(item.shape, PLACEHOLDER, dtype=item.dtype)
     if isinstance(item, dict):
         return type(item)({k: _synthetic(v, generator) for k, v in item.items()})
     if isinstance(item, list | tuple):
-        return type(item)(_synthetic(v, generator) for v in item)
+        values = [_synthetic(v, generator) for v in item]
+        return type(item)(*values) if hasattr(item, "_fields") else type(item)(values)
     if isinstance(item, bool | int):
         return type(item)(0)
     if isinstance(item, float):
         return 0.0
-    return item
+    if isinstance(item, str):
+        return PLACEHOLDER
+    if item is None:
+        return None
+    dtype = f" of dtype {item.dtype}" if hasattr(item, "dtype") else ""
+    raise UserLoopError(f"a record of the data set holds a value of type {type(item).__qualname__}{dtype}, which the "
+                        "DP pass cannot replace by a synthetic value for its dry run (the dry run reads none of "
+                        "your data): return torch tensors or NumPy arrays of numbers from the Dataset's "
+                        "__getitem__ (convert images and other objects in its transform, e.g. "
+                        "torchvision.transforms.ToTensor())", structural=True)
 
 
 def _counts(item) -> tuple[int, int]:  # noqa: ANN001
@@ -205,7 +232,7 @@ def dry_run(model: nn.Module, loader: DataLoader, train_fn: Callable, *, capture
         if loss_fn is None:
             _check_by_rows(dataset, loader, dry.last_loss)
         _check_gradients(model, dataset, loader, loss_fn, dry.last_loss, dry.modes)
-        _check_buffers_constant(model, dataset, loader, dry.last_loss, loss_fn, dry.modes)
+        _check_state_constant(model, dataset, loader, dry.last_loss, loss_fn, dry.modes)
     finally:
         for h in handles:
             h.remove()
@@ -300,22 +327,24 @@ def _gradient_check_key(model: nn.Module, batch: object, call: _LossCall,
 
 
 
-def _check_buffers_constant(model: nn.Module, dataset: _SyntheticSet, loader: DataLoader, call: _LossCall | None,
-                            loss_fn: LossFn | None, modes: dict[str, bool]) -> None:
+def _check_state_constant(model: nn.Module, dataset: _SyntheticSet, loader: DataLoader, call: _LossCall | None,
+                          loss_fn: LossFn | None, modes: dict[str, bool]) -> None:
     """One forward pass on the synthetic records, in the plan's modes, on a fresh copy of
-    the model: a buffer it changes (running statistics) would carry the data into the
-    release without noise, and is refused; constant buffers (position ids) are fine."""
+    the model: a buffer it changes (running statistics), or an attribute of a module that
+    holds state (:class:`~flwr_jdp.training.model_state.ModelState`: a tensor, a NumPy
+    array, a number, or a list, tuple or dict of them, such as a running sum of the
+    inputs), would carry one record into the others' gradients and the release without
+    noise, and is refused; constant buffers and attributes (position ids, sizes) are fine.
+    (The release pass also puts them back after each record's or batch's computation.)"""
     import copy
 
-    if next(model.buffers(), None) is None:
-        return
     check = copy.deepcopy(model)
     for name, m in check.named_modules():
         m.training = modes.get(name, m.training)
-    before = {n: b.detach().clone() for n, b in check.named_buffers()}
+    state = ModelState(check)
     batch = dataset.batch(loader.collate_fn)
     try:
-        with torch.no_grad():
+        with torch.enable_grad():
             if loss_fn is not None:
                 loss_fn(check, batch)
             elif call is not None:
@@ -325,8 +354,14 @@ def _check_buffers_constant(model: nn.Module, dataset: _SyntheticSet, loader: Da
         log(WARNING, "The model raised on synthetic records: %s: %s", type(err).__name__, err)
         raise UserLoopError(f"the model raised {type(err).__name__} on synthetic records shaped as yours (its "
                             "message is in the node's log)", structural=True) from None
-    changed = [n for n, b in check.named_buffers() if n not in before or not _equal(b.detach(), before[n])]
-    if changed:
-        raise UserLoopError(f"the model's forward pass changes its buffers {changed[:3]} (running statistics?), "
+    buffers, attributes = state.changed()
+    if buffers:
+        raise UserLoopError(f"the model's forward pass changes its buffers {buffers[:3]} (running statistics?), "
                             "which would carry the data into the release without noise: keep buffers constant "
                             "(statistics per record, e.g. GroupNorm or LayerNorm)", structural=True)
+    if attributes:
+        raise UserLoopError(f"the model's forward pass changes its attribute(s) {attributes[:3]} (state kept on the "
+                            "model from one forward pass to the next, e.g. a running sum or count of the inputs), "
+                            "which would carry one record into the others' gradients without noise: keep the "
+                            "forward pass free of state (set such values before training, from public values, "
+                            "and do not assign them in forward)", structural=True)
