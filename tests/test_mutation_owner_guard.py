@@ -133,8 +133,10 @@ def test_agreed_release_fields_come_from_the_config_and_the_owners_size():
     assert agreed_release(cfg, OwnerSize(160, 160), max_epsilon=60.0).budget == 6.0
     replace = parse_config({"noise-multiplier": 1.0, "neighbouring": "replace-one"})
     assert agreed_release(replace, OwnerSize(160, 160)).neighbouring == "replace-one"
-    with pytest.raises(ValueError, match="^owners check the server's instructions under local noise only$"):
-        agreed_release(parse_config({"noise-placement": "central"}), OwnerSize(10, 10))
+    central = agreed_release(parse_config({"noise-placement": "central", "noise-multiplier": 1.0}), OwnerSize(10, 10))
+    assert (central.max_sample_rate, central.max_steps, central.fixed_noise) == (1.0, 1, 1.0)
+    with pytest.raises(ValueError, match="^distributed noise is agreed in flwr_jdp.joint_dp.distributed.agreed_distributed$"):
+        agreed_release(parse_config({"noise-placement": "distributed", "num-owners": 3}), OwnerSize(10, 10))
 
 
 def test_owner_ledger_save_is_atomic_in_the_target_folder(tmp_path, monkeypatch):

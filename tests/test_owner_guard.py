@@ -162,8 +162,10 @@ def test_agreed_release_follows_the_owners_own_size():
     assert agreed_release(user, OwnerSize(160, 40)).max_sample_rate == pytest.approx(0.1)
     owner = parse_config({"privacy-unit": "owner", "noise-multiplier": 1.0})
     assert agreed_release(owner, OwnerSize(160, 160)).unit is PrivacyUnit.OWNER
-    with pytest.raises(ValueError, match="local noise"):
-        agreed_release(parse_config({"noise-placement": "central"}), OwnerSize(10, 10))
+    central = agreed_release(parse_config({"noise-placement": "central", "noise-multiplier": 1.0}), OwnerSize(10, 10))
+    assert central.max_steps == 1 and central.max_sample_rate == 1.0  # one clipped sum per round
+    with pytest.raises(ValueError, match="agreed_distributed"):
+        agreed_release(parse_config({"noise-placement": "distributed", "num-owners": 3}), OwnerSize(10, 10))
 
 
 def test_owner_checks_use_the_runs_neighbouring_relation():
