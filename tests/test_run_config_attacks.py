@@ -119,14 +119,22 @@ POST_PROCESSING = [
 ]
 
 
+SAME = {"target-epsilon": 0.8, "num-rounds": 2, "noise-seed": -1}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The owners' ledgers after a run without any of the keys below (run once)."""
+    base = tmp_path_factory.mktemp("base")
+    _run(base, **SAME)
+    return _ledgers(base)
+
+
 @pytest.mark.parametrize(("key", "value"), POST_PROCESSING, ids=[k for k, _ in POST_PROCESSING])
-def test_a_post_processing_key_leaves_the_owners_charges_unchanged(tmp_path, key, value):
-    same = {"target-epsilon": 0.8, "num-rounds": 2, "noise-seed": -1}
-    base = tmp_path / "base"
-    _run(base, **same)
+def test_a_post_processing_key_leaves_the_owners_charges_unchanged(tmp_path, baseline, key, value):
     other = tmp_path / "other"
-    _run(other, **{**same, key: value})
-    a, b = _ledgers(base), _ledgers(other)
+    _run(other, **{**SAME, key: value})
+    a, b = baseline, _ledgers(other)
     assert a and a.keys() == b.keys()
     for owner in a:
         assert a[owner]["scopes"]["self"] and a[owner]["scopes"] == b[owner]["scopes"], (key, owner)
