@@ -267,7 +267,7 @@ def test_a_policy_can_require_noise_from_the_os_csprng(tmp_path):
     """The run submitter chooses ``secure-noise``; a policy with ``secure-noise = true``
     refuses a run that draws its noise from torch's generator, and accepts one that does not."""
     node = _node(tmp_path, **{"max-epsilon": 8.0, "secure-noise": True, "seeded-noise": False})
-    with pytest.raises(RuntimeError, match=r"refused: run-config key 'jdp.secure-noise'=false draws the noise"):
+    with pytest.raises(RuntimeError, match=r"refused: run-config key '(jdp\.)?secure-noise'=false draws the noise"):
         _start(_local(3, **{"noise-seed": -1, "results-dir": str(tmp_path / "r1")}), 3, node)
     assert not _ledger_files(tmp_path)
     strategy, _ = _start(_local(3, **{"noise-seed": -1, "secure-noise": True, "results-dir": str(tmp_path / "r2")}),
