@@ -263,6 +263,20 @@ def test_a_seeded_or_unnoised_run_is_refused_under_a_policy(tmp_path):
     assert strategy.status == "completed"
 
 
+def test_a_policy_can_require_noise_from_the_os_csprng(tmp_path):
+    """The run submitter chooses ``secure-noise``; a policy with ``secure-noise = true``
+    refuses a run that draws its noise from torch's generator, and accepts one that does not."""
+    node = _node(tmp_path, **{"max-epsilon": 8.0, "secure-noise": True, "seeded-noise": False})
+    with pytest.raises(RuntimeError, match=r"refused: run-config key '(jdp\.)?secure-noise'=false draws the noise"):
+        _start(_local(3, **{"noise-seed": -1, "results-dir": str(tmp_path / "r1")}), 3, node)
+    assert not _ledger_files(tmp_path)
+    strategy, _ = _start(_local(3, **{"noise-seed": -1, "secure-noise": True, "results-dir": str(tmp_path / "r2")}),
+                         3, node)
+    assert strategy.status == "completed"
+    with pytest.raises(ConfigError, match="'secure-noise' must be true or false"):
+        OwnerPolicy.from_node_config({"max-epsilon": 1, "secure-noise": "yes"})
+
+
 # ------------------------------------------------------------------ no policy
 def _query(node_config: dict) -> tuple[Message, Context]:
     from flwr.supercore.task_identity import TaskIdentity

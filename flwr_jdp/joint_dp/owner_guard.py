@@ -69,7 +69,8 @@ OwnerLedger = PartyLedger
 
 #: The run-config key of each term of a run a policy checks (:class:`RunTerms`).
 TERM_KEYS = {"delta": "delta", "unit": "privacy-unit", "neighbouring": "neighbouring",
-             "placement": "noise-placement", "private": "method", "noise_seed": "noise-seed"}
+             "placement": "noise-placement", "private": "method", "noise_seed": "noise-seed",
+             "secure_noise": "secure-noise"}
 
 
 def run_terms(cfg: JobConfig, run_config: Mapping[str, Any]) -> RunTerms:
@@ -78,7 +79,7 @@ def run_terms(cfg: JobConfig, run_config: Mapping[str, Any]) -> RunTerms:
     keys = {t: f"{NAMESPACE}.{k}" if f"{NAMESPACE}.{k}" in run_config else k for t, k in TERM_KEYS.items()}
     return RunTerms(target_epsilon=float(cfg.target_epsilon), delta=float(cfg.delta), unit=cfg.privacy_unit,
                     neighbouring=cfg.neighbouring, placement=cfg.noise_placement, private=cfg.dp,
-                    noise_seed=int(cfg.noise_seed), keys=keys)
+                    noise_seed=int(cfg.noise_seed), secure_noise=bool(cfg.secure_noise), keys=keys)
 
 
 def owner_policy(context: Context, cfg: JobConfig) -> OwnerPolicy:

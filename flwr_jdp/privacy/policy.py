@@ -13,6 +13,7 @@ file that node config ``policy-file`` names (the same keys, one per line)::
     noise-placements = ["local", "distributed"]  # and "central", only if named (default local and distributed)
     honest-owners = 3                        # distributed noise: honest owners whose shares reach the sum (default 1)
     seeded-noise = false                     # true accepts a run's noise-seed (reproducible noise: tests only)
+    secure-noise = false                     # true: only runs that draw their noise from the OS CSPRNG (secure-noise)
 
 Every run is held to it at set-up and again at every train message, before any data
 is read (:func:`run_policy`): the run's ``delta`` must be the policy's, its privacy
@@ -87,7 +88,7 @@ MODE_KEY = "policy"
 TRUST_RUN = "trust-run"
 #: The policy's keys, in the node config or the policy file.
 KEYS = ("max-epsilon", "delta", "privacy-unit", "neighbouring", "noise-placements", "honest-owners",
-        "seeded-noise")
+        "seeded-noise", "secure-noise")
 #: The delta of a policy that names a cap but no delta.
 DEFAULT_DELTA = 1e-5
 RELATIONS = ("add-remove", "replace-one")
@@ -109,6 +110,7 @@ class RunTerms:
     """What a run asks of a party: its target, delta, unit, relation and placement;
     ``private`` False for a run that releases without noise (FedAvg baselines);
     ``noise_seed`` >= 0 for a run whose noise is seeded (reproducible by the submitter);
+    ``secure_noise`` whether it draws its noise from the OS CSPRNG (run-config ``secure-noise``);
     ``keys`` maps each term to the run-config key a refusal names."""
 
     target_epsilon: float
@@ -118,6 +120,7 @@ class RunTerms:
     placement: str
     private: bool = True
     noise_seed: int = -1
+    secure_noise: bool = False
     keys: Mapping[str, str] | None = None
 
     def key(self, term: str) -> str:
@@ -137,6 +140,7 @@ class OwnerPolicy:
     noise_placements: tuple[str, ...] = DEFAULT_PLACEMENTS
     honest_owners: int | None = 1
     seeded_noise: bool = False
+    secure_noise: bool = False
     source: str = "node config"
 
     @property
@@ -209,9 +213,13 @@ class OwnerPolicy:
         if not isinstance(seeded, bool):
             raise bad("seeded-noise", "true or false (true accepts a run whose noise-seed is set: reproducible "
                       "noise, for tests only)")
+        secure = values.get("secure-noise", False)
+        if not isinstance(secure, bool):
+            raise bad("secure-noise", "true or false (true accepts only runs whose run config sets secure-noise = "
+                      "true: every noise draw from the OS CSPRNG in float64)")
         return cls(max_epsilon=cap, delta=delta, privacy_unit=str(unit), neighbouring=str(relation),
                    noise_placements=tuple(dict.fromkeys(str(p) for p in placements)), honest_owners=int(honest),
-                   seeded_noise=seeded, source=source)
+                   seeded_noise=seeded, secure_noise=secure, source=source)
 
     @classmethod
     def trusting(cls, terms: RunTerms) -> OwnerPolicy:
@@ -232,6 +240,10 @@ class OwnerPolicy:
                     f"whoever submits the run (who could then subtract it); this node's policy ({self.source}) "
                     "accepts only noise drawn from the OS CSPRNG (noise-seed = -1; policy key 'seeded-noise' = true allows "
                     "seeded noise, for tests)")
+        if self.secure_noise and not terms.secure_noise:
+            return (f"run-config key '{terms.key('secure_noise')}'=false draws the noise from torch's generator in "
+                    f"float32; this node's policy ({self.source}) requires noise from the OS CSPRNG (secure-noise = "
+                    "true)")
         if not math.isclose(float(terms.delta), self.delta, rel_tol=1e-9, abs_tol=0.0):
             return (f"run-config key '{terms.key('delta')}'={terms.delta!r}, this node's policy ({self.source}) "
                     f"accounts its ledger at delta = {self.delta!r}")
